@@ -1,0 +1,299 @@
+"""Reading a llama-family GGUF file into Hugging Face terms.
+
+A GGUF (llama.cpp's file format) carries three things fuel needs, each spelled llama.cpp's way:
+the tensors (often block-quantized, named ``blk.{i}.attn_q.weight``), the model's
+hyper-parameters (``llama.block_count`` ...), and the tokenizer (``tokenizer.ggml.*``). This
+module reads one file and hands all three back in the spelling a Hugging Face checkpoint uses,
+so everything downstream (the circuit's ``binding`` paths, the config map, the transformers
+oracle) sees one vocabulary of names.
+
+What is decided here, and what always holds:
+
+- Tensor names map one to one onto Hugging Face checkpoint names (:func:`hf_tensor_name`); a
+  tensor this module cannot name is an error naming it, never skipped.
+- Every tensor is dequantized to float32 with the ``gguf`` package (the same code llama.cpp's
+  Python tools use). The array shape is the Hugging Face one (``[out_features, in_features]``
+  for a linear weight): GGUF lists dims innermost first, ``gguf`` returns them outermost first.
+- llama.cpp's converter permutes the rows of the Q and K projections so rotary embedding
+  rotates adjacent pairs instead of the two halves of each head. :func:`unpermute_rotary_rows`
+  undoes exactly that, so the result equals the Hugging Face layout (rotate-half RoPE).
+- :func:`hf_config` emits the keys of a Hugging Face ``LlamaForCausalLM`` ``config.json``. Values
+  the GGUF records come from it; the few a GGUF cannot know (training-only settings such as
+  ``initializer_range``) take ``LlamaConfig``'s defaults and are listed in
+  :data:`CONFIG_KEYS_NOT_IN_GGUF`.
+- A missing file raises :class:`WeightsFileMissing`; a file ``gguf`` cannot parse, or one that
+  lacks a key this module needs, raises :class:`CorruptWeightsFile` / :class:`UnsupportedGguf`
+  naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fuel.errors import FuelError
+
+
+class WeightsFileMissing(FuelError):
+    """A weights file or folder that does not exist."""
+
+    def __init__(self, path: str, what: str = "weights file"):
+        self.path = path
+        self.what = what
+        super().__init__(f"{path}: no such {what}")
+
+
+class CorruptWeightsFile(FuelError):
+    """A weights file that exists but cannot be read (truncated, not the format it claims)."""
+
+    def __init__(self, path: str, detail: str):
+        self.path = path
+        self.detail = detail
+        super().__init__(f"{path}: cannot read weights: {detail}")
+
+
+class UnsupportedGguf(FuelError):
+    """A readable GGUF describing something fuel does not map (another architecture, an unknown
+    tensor, a missing hyper-parameter). ``key`` is the metadata key or tensor name."""
+
+    def __init__(self, path: str, key: str, detail: str):
+        self.path = path
+        self.key = key
+        self.detail = detail
+        super().__init__(f"{path}: key `{key}`: {detail}")
+
+
+# Keys of a Hugging Face LlamaForCausalLM config.json that a GGUF does not record. Their values
+# are LlamaConfig's defaults; none of them changes inference (they are training or tooling
+# settings, or fixed for every llama-architecture GGUF).
+CONFIG_KEYS_NOT_IN_GGUF: dict[str, Any] = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "is_llama_config": True,
+    "mlp_bias": False,
+    "pretraining_tp": 1,
+    "rope_interleaved": False,
+    "use_cache": True,
+}
+
+# GGUF tensor name (per layer: after ``blk.{i}.``) → Hugging Face name (after ``model.layers.{i}.``).
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_NAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face checkpoint name of a llama GGUF tensor, or None when it has none."""
+    if match := _LAYER_NAME.match(gguf_name):
+        layer, part, kind = match.groups()
+        if part in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+        return None
+    if match := _GLOBAL_NAME.match(gguf_name):
+        part, kind = match.groups()
+        if part in _GLOBAL_TENSORS:
+            return f"{_GLOBAL_TENSORS[part]}.{kind}"
+    return None
+
+
+def unpermute_rotary_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation for ``heads`` heads.
+
+    llama.cpp's ``convert_hf_to_gguf.py`` reorders each head's rows from
+    ``[first half, second half]`` to interleaved pairs (``reshape(heads, 2, d/2)`` then swap the
+    last two axes). Reading them back as ``(heads, d/2, 2)`` and swapping again restores the
+    Hugging Face order. Works for a weight ``[heads*d, in]`` and a bias ``[heads*d]`` alike.
+    """
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def permute_rotary_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's permutation itself (the inverse of :func:`unpermute_rotary_rows`)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class GgufModel:
+    """A parsed GGUF: its path, its metadata (plain Python values) and its raw tensors.
+
+    ``metadata`` maps every key to a str, int, float, bool or list of those (token lists stay
+    lists of str). Tensors are read lazily by :meth:`hf_tensors`.
+    """
+
+    path: Path
+    metadata: Mapping[str, Any]
+    _reader: Any
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def tensor_names(self) -> list[str]:
+        return [tensor.name for tensor in self._reader.tensors]
+
+    def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield ``(hf_name, float32 array)`` per tensor, in file order, Q/K rows unpermuted."""
+        from gguf import quants
+
+        heads = self.required_int("attention.head_count")
+        kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", heads))
+        for tensor in self._reader.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name is None:
+                raise UnsupportedGguf(
+                    str(self.path), tensor.name, "tensor has no Hugging Face llama counterpart"
+                )
+            try:
+                # A copy: an F32 tensor comes back as a read-only view of the memory-mapped file.
+                array = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            except (NotImplementedError, ValueError) as error:
+                raise UnsupportedGguf(
+                    str(self.path), tensor.name, f"cannot dequantize {tensor.tensor_type.name}: {error}"
+                ) from error
+            expected = tuple(int(d) for d in reversed(tensor.shape))
+            if array.shape != expected:
+                array = array.reshape(expected)
+            if ".self_attn.q_proj." in name:
+                array = unpermute_rotary_rows(array, heads)
+            elif ".self_attn.k_proj." in name:
+                array = unpermute_rotary_rows(array, kv_heads)
+            yield name, array
+
+    def required_int(self, suffix: str) -> int:
+        """``{arch}.{suffix}`` as an int; a missing key is an error naming it."""
+        key = f"{self.architecture}.{suffix}"
+        if key not in self.metadata:
+            raise UnsupportedGguf(str(self.path), key, "required hyper-parameter is missing")
+        return int(self.metadata[key])
+
+    def required_float(self, suffix: str) -> float:
+        key = f"{self.architecture}.{suffix}"
+        if key not in self.metadata:
+            raise UnsupportedGguf(str(self.path), key, "required hyper-parameter is missing")
+        return _float32_shortest(self.metadata[key])
+
+
+def read_gguf(path: str | Path) -> GgufModel:
+    """Parse a GGUF file's header, metadata and tensor index (tensor data stays memory-mapped)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsFileMissing(str(path), "GGUF file")
+    try:
+        reader = GGUFReader(path)
+    except Exception as error:  # gguf raises ValueError, struct.error, IndexError... on bad bytes
+        raise CorruptWeightsFile(str(path), f"not a readable GGUF ({type(error).__name__}: {error})") from error
+    metadata = {key: _field_value(field) for key, field in reader.fields.items()}
+    model = GgufModel(path, metadata, reader)
+    if model.architecture != "llama":
+        raise UnsupportedGguf(
+            str(path), "general.architecture",
+            f"architecture {model.architecture!r} is not mapped (fuel reads llama-architecture GGUFs)",
+        )
+    return model
+
+
+def _field_value(field: Any) -> Any:
+    from gguf import GGUFValueType
+
+    if not field.types:
+        return None
+    if field.types[0] == GGUFValueType.ARRAY:
+        if len(field.types) > 1 and field.types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[index]).decode("utf-8") for index in field.data]
+        return [part.tolist()[0] for part in (field.parts[index] for index in field.data)]
+    if field.types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    value = field.parts[field.data[0]].tolist()[0]
+    if field.types[0] == GGUFValueType.BOOL:
+        return bool(value)
+    return value
+
+
+def _float32_shortest(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips it (1e-05, not
+    9.999999747378752e-06), which is how the original config.json spelled it."""
+    return float(str(np.float32(value)))
+
+
+def hf_config(model: GgufModel) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of a llama GGUF, keys sorted as transformers writes them."""
+    meta = model.metadata
+    path = str(model.path)
+    arch = model.architecture
+    heads = model.required_int("attention.head_count")
+    hidden = model.required_int("embedding_length")
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    if "tokenizer.ggml.tokens" in meta:
+        vocab_size = int(meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])))
+    else:
+        vocab_size = model.required_int("vocab_size")
+    config: dict[str, Any] = dict(CONFIG_KEYS_NOT_IN_GGUF)
+    config.update(
+        architectures=["LlamaForCausalLM"],
+        bos_token_id=_optional_int(meta, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_optional_int(meta, "tokenizer.ggml.eos_token_id"),
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=model.required_int("feed_forward_length"),
+        max_position_embeddings=model.required_int("context_length"),
+        model_type="llama",
+        num_attention_heads=heads,
+        num_hidden_layers=model.required_int("block_count"),
+        num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        rms_norm_eps=model.required_float("attention.layer_norm_rms_epsilon"),
+        rope_scaling=_rope_scaling(meta, arch, path),
+        rope_theta=_float32_shortest(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        # A GGUF of a tied model carries no separate output matrix.
+        tie_word_embeddings="output.weight" not in model.tensor_names(),
+        torch_dtype="float32",
+        vocab_size=vocab_size,
+    )
+    pad = _optional_int(meta, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        config["pad_token_id"] = pad
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedGguf(
+            path, f"{arch}.rope.dimension_count",
+            f"partial rotary ({rope_dims} of {head_dim} head dims) has no LlamaConfig spelling",
+        )
+    return dict(sorted(config.items()))
+
+
+def _optional_int(meta: Mapping[str, Any], key: str) -> int | None:
+    return int(meta[key]) if key in meta else None
+
+
+def _rope_scaling(meta: Mapping[str, Any], arch: str, path: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _float32_shortest(meta[f"{arch}.rope.scaling.factor"])}
+    raise UnsupportedGguf(path, f"{arch}.rope.scaling.type", f"rope scaling {kind!r} is not mapped")
