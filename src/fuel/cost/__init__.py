@@ -1,0 +1,88 @@
+"""Cost: Layer 1 (the roofline over real device specs) and Layer 2 (the Judge's measurements).
+
+Public API:
+
+- :class:`CostEstimate`, :func:`roofline`, :func:`composite_ns`, :func:`sum_composite_ns`,
+  :class:`Priced`, :class:`Unpriced`, :class:`Bound` — pricing work on a device (pure).
+- :class:`DeviceSpec`, :class:`PeakClass`, :func:`load_devices`, :func:`device`,
+  :func:`device_names`, :func:`probe_cpu_local` — device specs (data + the ``cpu-local`` probe).
+- :func:`size_class` (and the per-family helpers) — the shared size bucketing.
+- :class:`JudgeOracle`, :class:`JudgeStore`, :class:`StoredMeasurement`,
+  :func:`profile_kernel`, :class:`Measurement` — the Judge.
+
+Importing this package is cheap: torch is imported only by the probe and the profiler's
+callers, inside functions.
+"""
+
+from fuel.cost.devices import (
+    DeviceSpecError,
+    UnknownDeviceError,
+    device,
+    device_names,
+    load_devices,
+)
+from fuel.cost.fingerprint import device_fingerprint, library_versions
+from fuel.cost.judge import JudgeOracle
+from fuel.cost.probe import probe_cpu_local
+from fuel.cost.profile import Measurement, profile_kernel
+from fuel.cost.roofline import (
+    SATURATED_NS,
+    Bound,
+    CostEstimate,
+    Priced,
+    Unpriced,
+    composite_ns,
+    roofline,
+    sum_composite_ns,
+)
+from fuel.cost.sizeclass import (
+    size_class,
+    size_class_attention,
+    size_class_elements,
+    size_class_matmul,
+)
+from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass, peak_class_of
+from fuel.cost.store import (
+    JudgeStore,
+    JudgeStoreError,
+    MergeReport,
+    StoreCorruptError,
+    StoredMeasurement,
+    StoreVersionError,
+)
+
+__all__ = [
+    "SATURATED_NS",
+    "Bound",
+    "CostEstimate",
+    "DeviceKind",
+    "DeviceSpec",
+    "DeviceSpecError",
+    "JudgeOracle",
+    "JudgeStore",
+    "JudgeStoreError",
+    "Measurement",
+    "MergeReport",
+    "PeakClass",
+    "Priced",
+    "StoreCorruptError",
+    "StoreVersionError",
+    "StoredMeasurement",
+    "UnknownDeviceError",
+    "Unpriced",
+    "composite_ns",
+    "device",
+    "device_fingerprint",
+    "device_names",
+    "library_versions",
+    "load_devices",
+    "peak_class_of",
+    "probe_cpu_local",
+    "profile_kernel",
+    "roofline",
+    "size_class",
+    "size_class_attention",
+    "size_class_elements",
+    "size_class_matmul",
+    "sum_composite_ns",
+]

@@ -1,0 +1,78 @@
+"""The Judge's profiler: time one kernel call the same way every time.
+
+Decided here: how a latency is measured. Warm up (first calls pay allocation, JIT and cache
+misses), calibrate a batch size so one timed sample lasts at least ``min_sample_ns`` (the clock's
+resolution and the loop's own cost then vanish), take ``repeats`` samples, and keep the median
+per-call time and the spread (the inter-quartile range) of the samples.
+
+Invariants: a :class:`Measurement` has ``median_ns >= 1`` (a kernel that ran took time; 0 is
+never a latency), ``spread_ns >= 0``, and ``samples == repeats``. This module reads the clock: it
+is an edge, never called from the planning core.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """A profiled latency: the median per-call ns, the IQR of the samples, how many samples."""
+
+    median_ns: int
+    spread_ns: int
+    samples: int
+    calls_per_sample: int
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    position = q * (len(sorted_values) - 1)
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def profile_kernel(
+    call: Callable[[], object],
+    *,
+    warmup: int = 3,
+    repeats: int = 15,
+    min_sample_ns: int = 200_000,
+    max_calls_per_sample: int = 10_000,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> Measurement:
+    """Measure ``call()`` (which must run the kernel to completion) and return its latency."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError("profile_kernel needs repeats >= 1 and warmup >= 0")
+    for _ in range(warmup):
+        call()
+    # Calibrate: double the batch until one batch spans min_sample_ns.
+    calls = 1
+    while True:
+        start = clock()
+        for _ in range(calls):
+            call()
+        elapsed = clock() - start
+        if elapsed >= min_sample_ns or calls >= max_calls_per_sample:
+            break
+        calls = min(calls * 2, max_calls_per_sample)
+    per_call: list[float] = []
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(calls):
+            call()
+        per_call.append((clock() - start) / calls)
+    per_call.sort()
+    median = statistics.median(per_call)
+    spread = _quantile(per_call, 0.75) - _quantile(per_call, 0.25)
+    return Measurement(
+        median_ns=max(1, round(median)),
+        spread_ns=max(0, round(spread)),
+        samples=repeats,
+        calls_per_sample=calls,
+    )

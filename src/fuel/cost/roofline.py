@@ -1,0 +1,182 @@
+"""Layer 1: the roofline — a cost estimate priced on a device.
+
+Decided here: how an op's work (:class:`CostEstimate`) becomes a time on a device
+(:class:`~fuel.cost.spec.DeviceSpec`)::
+
+    composite_ns = max(vector_flops / vector_peak + matrix_flops / matrix_peak(dtype),
+                       bytes / bandwidth)
+                   + launches * launch_overhead + overhead_ns
+
+Invariants:
+
+- Pure: no files, clock, environment or randomness; the same inputs give the same integer.
+- Never divides by a rate that is not finite and positive. A needed rate that is missing or
+  broken makes the result :class:`Unpriced` with the reason (decline-as-value); a term whose
+  work is zero needs no rate and so never declines.
+- Saturating: every count and the result are clamped to ``SATURATED_NS`` (2**63 - 1), so a
+  huge or infinite quotient is a very large time, never an overflow or a float infinity.
+- Rounding is upward (ceil) so a non-zero amount of work never costs 0 ns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable
+
+from fuel.cost.spec import DeviceSpec
+
+SATURATED_NS = 2**63 - 1
+
+
+def _saturate(value: int) -> int:
+    return min(max(value, 0), SATURATED_NS)
+
+
+@dataclass(frozen=True, slots=True)
+class CostEstimate:
+    """The work one kernel launch (or one fused region) does, independent of any device.
+
+    ``flops`` counts all floating-point operations (a multiply-add is 2); ``matrix_flops`` is the
+    part of them a matrix unit can execute (matmul-shaped contractions) and is priced against
+    the dense peak for ``matrix_dtype``; the rest is priced against the vector FP32 rate.
+    ``bytes`` is the minimum DRAM traffic (each input read once, each output written once).
+    ``overhead_ns`` is fixed device-independent time outside the roofline (host-side work);
+    ``launches`` is how many kernel launches the work takes.
+    """
+
+    flops: int
+    bytes: int
+    overhead_ns: int = 0
+    launches: int = 1
+    matrix_flops: int = 0
+    matrix_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("flops", "bytes", "overhead_ns", "launches", "matrix_flops"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"CostEstimate.{name} must be a non-negative int, got {value!r}")
+        if self.matrix_flops > self.flops:
+            raise ValueError(
+                f"CostEstimate.matrix_flops ({self.matrix_flops}) exceeds flops ({self.flops})"
+            )
+        if self.matrix_flops and self.matrix_dtype is None:
+            raise ValueError("CostEstimate with matrix_flops needs a matrix_dtype")
+
+    @property
+    def vector_flops(self) -> int:
+        return self.flops - self.matrix_flops
+
+    def __add__(self, other: CostEstimate) -> CostEstimate:
+        """Fold two estimates (a region = the sum of its nodes' work and launches).
+
+        Matrix work in two different dtypes cannot share one peak; fold such regions by summing
+        their priced times instead (:func:`sum_composite_ns`).
+        """
+        if not isinstance(other, CostEstimate):
+            return NotImplemented
+        dtype = self.matrix_dtype if self.matrix_flops else other.matrix_dtype
+        if self.matrix_flops and other.matrix_flops and self.matrix_dtype != other.matrix_dtype:
+            raise ValueError(
+                f"cannot fold matrix work in {self.matrix_dtype} with {other.matrix_dtype}"
+            )
+        return CostEstimate(
+            flops=_saturate(self.flops + other.flops),
+            bytes=_saturate(self.bytes + other.bytes),
+            overhead_ns=_saturate(self.overhead_ns + other.overhead_ns),
+            launches=_saturate(self.launches + other.launches),
+            matrix_flops=_saturate(self.matrix_flops + other.matrix_flops),
+            matrix_dtype=dtype if (self.matrix_flops or other.matrix_flops) else None,
+        )
+
+
+class Bound(Enum):
+    """Which side of the roofline set the time."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+    OVERHEAD = "overhead"  # no work at all: only launch and fixed overhead
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """A roofline time and its parts (all ns, saturated)."""
+
+    ns: int
+    compute_ns: int
+    memory_ns: int
+    overhead_ns: int
+    bound: Bound
+
+
+@dataclass(frozen=True, slots=True)
+class Unpriced:
+    """The estimate cannot be priced on this device; ``reason`` says which rate was unusable."""
+
+    reason: str
+
+
+def _usable(rate: float | None) -> bool:
+    return rate is not None and math.isfinite(rate) and rate > 0
+
+
+def _time_ns(work: int, rate: float) -> int:
+    """ceil(work / rate seconds) in ns, saturating; `rate` is known finite and positive."""
+    if work == 0:
+        return 0
+    seconds = work / rate
+    ns = seconds * 1e9
+    if not math.isfinite(ns) or ns >= SATURATED_NS:
+        return SATURATED_NS
+    return _saturate(math.ceil(ns))
+
+
+def roofline(estimate: CostEstimate, device: DeviceSpec) -> Priced | Unpriced:
+    """Price ``estimate`` on ``device`` (see the module docstring for the formula)."""
+    compute_ns = 0
+    if estimate.vector_flops:
+        if not _usable(device.vector_flops):
+            return Unpriced(f"{device.name}: vector FP32 rate {device.vector_flops!r} is unusable")
+        compute_ns += _time_ns(estimate.vector_flops, device.vector_flops)
+    if estimate.matrix_flops:
+        dtype = estimate.matrix_dtype or ""
+        peak = device.matrix_peak(dtype)
+        if not _usable(peak):
+            return Unpriced(f"{device.name}: no usable dense matrix peak for dtype {dtype}")
+        compute_ns = _saturate(compute_ns + _time_ns(estimate.matrix_flops, peak))
+    memory_ns = 0
+    if estimate.bytes:
+        if not _usable(device.bandwidth_bytes_per_s):
+            return Unpriced(
+                f"{device.name}: memory bandwidth {device.bandwidth_bytes_per_s!r} is unusable"
+            )
+        memory_ns = _time_ns(estimate.bytes, device.bandwidth_bytes_per_s)
+    launch_ns = _saturate(estimate.launches * max(device.launch_overhead_ns, 0))
+    overhead_ns = _saturate(launch_ns + estimate.overhead_ns)
+    if compute_ns == 0 and memory_ns == 0:
+        bound = Bound.OVERHEAD
+    elif compute_ns >= memory_ns:
+        bound = Bound.COMPUTE
+    else:
+        bound = Bound.MEMORY
+    total = _saturate(max(compute_ns, memory_ns) + overhead_ns)
+    return Priced(total, compute_ns, memory_ns, overhead_ns, bound)
+
+
+def composite_ns(estimate: CostEstimate, device: DeviceSpec) -> int | None:
+    """The roofline time in ns, or None when the device cannot price this estimate."""
+    priced = roofline(estimate, device)
+    return priced.ns if isinstance(priced, Priced) else None
+
+
+def sum_composite_ns(estimates: Iterable[CostEstimate], device: DeviceSpec) -> int | None:
+    """Sum of per-estimate roofline times (saturating); None if any one is unpriced."""
+    total = 0
+    for estimate in estimates:
+        ns = composite_ns(estimate, device)
+        if ns is None:
+            return None
+        total = _saturate(total + ns)
+    return total

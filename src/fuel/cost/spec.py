@@ -1,0 +1,106 @@
+"""Device specifications as values: what the roofline needs to know about one device.
+
+Decided here: the shape of a device's numbers, and how a tensor dtype maps onto the class of
+arithmetic unit that prices it. Loading these from ``fuel/data/devices.toml`` (and probing
+``cpu-local``) lives in :mod:`fuel.cost.devices` and :mod:`fuel.cost.probe`; this module is pure.
+
+Invariants:
+
+- Every rate is stored as given by its source (FLOP/s, byte/s); nothing here divides. The
+  roofline (:mod:`fuel.cost.roofline`) refuses to divide by a rate that is not finite and
+  positive, so a broken number becomes an unpriced value, never a crash or an infinity.
+- ``peak_flops`` holds DENSE peaks only (never "with sparsity"), keyed by :class:`PeakClass`.
+  A class a device lacks is absent, not zero: a kernel in that dtype cannot be priced there.
+- ``vector_flops`` is the non-matrix-unit FP32 rate; elementwise, reduction and transcendental
+  work is priced against it whatever the storage dtype, because those kernels widen to f32
+  and never reach the tensor cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class PeakClass(Enum):
+    """The arithmetic classes a datasheet quotes a dense matrix peak for."""
+
+    FP32 = "fp32"
+    TF32 = "tf32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP8 = "fp8"
+    FP6 = "fp6"
+    FP4 = "fp4"
+    INT8 = "int8"
+
+
+# How a tensor dtype's name (graph spelling: `bf16`, `f32`, `f8e4m3`, ...) maps onto the unit that
+# multiplies it. Integer indices and f64 have no entry: no matrix peak prices them.
+_DTYPE_PEAK: dict[str, PeakClass] = {
+    "f32": PeakClass.FP32,
+    "fp32": PeakClass.FP32,
+    "float32": PeakClass.FP32,
+    "tf32": PeakClass.TF32,
+    "f16": PeakClass.FP16,
+    "fp16": PeakClass.FP16,
+    "float16": PeakClass.FP16,
+    "bf16": PeakClass.BF16,
+    "bfloat16": PeakClass.BF16,
+    "fp8": PeakClass.FP8,
+    "f8e4m3": PeakClass.FP8,
+    "f8e5m2": PeakClass.FP8,
+    "fp8e4m3": PeakClass.FP8,
+    "fp8e5m2": PeakClass.FP8,
+    "f6e2m3": PeakClass.FP6,
+    "f6e3m2": PeakClass.FP6,
+    "fp6": PeakClass.FP6,
+    "f4e2m1": PeakClass.FP4,
+    "fp4": PeakClass.FP4,
+    "nvfp4": PeakClass.FP4,
+    "mxfp4": PeakClass.FP4,
+    "i8": PeakClass.INT8,
+    "int8": PeakClass.INT8,
+    "u8": PeakClass.INT8,
+}
+
+
+def peak_class_of(dtype: str) -> PeakClass | None:
+    """The matrix-peak class for a dtype name, or None when no matrix unit prices it."""
+    key = dtype.lower()
+    # Formats such as `fp8/token` or `nvfp4/g16` are priced by their element type.
+    key = key.split("/", 1)[0]
+    return _DTYPE_PEAK.get(key)
+
+
+class DeviceKind(Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+    SOC = "soc"  # one package, one memory pool shared by CPU and GPU (Apple M-series, GB10)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One device's roofline numbers and where each came from.
+
+    ``sources`` maps a field name (``peak_flops``, ``bandwidth``, ``memory``,
+    ``launch_overhead``) to the datasheet or measurement it was taken from.
+    """
+
+    name: str
+    title: str
+    kind: DeviceKind
+    peak_flops: dict[PeakClass, float]
+    vector_flops: float
+    bandwidth_bytes_per_s: float
+    memory_bytes: int
+    launch_overhead_ns: int
+    sources: dict[str, str] = field(default_factory=dict)
+    probed: bool = False
+
+    def matrix_peak(self, dtype: str) -> float | None:
+        """Dense matrix FLOP/s for a dtype, or None when the device has no such peak."""
+        peak = peak_class_of(dtype)
+        if peak is None:
+            return None
+        return self.peak_flops.get(peak)

@@ -1,0 +1,88 @@
+"""Device specs are data with sources; a malformed file names file, key and value."""
+
+import pytest
+
+from fuel.cost import DeviceSpecError, PeakClass, UnknownDeviceError, device, device_names, load_devices
+from fuel.cost.devices import parse_devices
+
+ISSUE_DEVICES = [
+    "h100-sxm", "h100-pcie", "h200-sxm", "a100-40gb", "a100-80gb", "l40s", "l4", "rtx-4090",
+    "rtx-3090", "b200", "gb10", "mi300x", "m2-max", "m3-max",
+]
+
+
+def test_every_device_the_issue_lists_ships_with_sources():
+    specs = load_devices()
+    for name in ISSUE_DEVICES:
+        spec = specs[name]
+        assert set(spec.sources) == {"peak_tflops", "bandwidth", "memory", "launch_overhead"}
+        assert all(len(text) > 10 for text in spec.sources.values())
+    assert "cpu-local" in device_names()
+
+
+def test_h100_sxm_numbers_are_the_dense_datasheet_figures():
+    h100 = device("h100-sxm")
+    assert h100.bandwidth_bytes_per_s == 3.35e12
+    assert h100.peak_flops[PeakClass.BF16] == pytest.approx(989.4e12)  # not the 1,979 sparse figure
+    assert h100.peak_flops[PeakClass.FP8] == pytest.approx(1978.9e12)
+    assert h100.memory_bytes == 80 * 10**9
+    assert h100.matrix_peak("bf16") == h100.peak_flops[PeakClass.BF16]
+
+
+def test_a_chip_without_fp8_units_has_no_fp8_peak():
+    assert device("a100-80gb").matrix_peak("f8e4m3") is None
+    assert device("b200").matrix_peak("f4e2m1") == pytest.approx(9000e12)
+
+
+def test_unknown_device_names_the_known_ones():
+    with pytest.raises(UnknownDeviceError, match="h100-sxm"):
+        device("h1000")
+
+
+GOOD = """
+schema = 1
+[device.x]
+title = "X"
+kind = "gpu"
+memory_gb = 1
+bandwidth_gb_s = 2
+launch_overhead_ns = 3
+vector_tflops = 4
+[device.x.peak_tflops]
+bf16 = 5
+[device.x.sources]
+peak_tflops = "datasheet a"
+bandwidth = "datasheet b"
+memory = "datasheet c"
+launch_overhead = "estimate d"
+"""
+
+
+def test_a_minimal_file_parses_to_si_units():
+    specs, probed = parse_devices(GOOD, "devs.toml")
+    x = specs["x"]
+    assert (x.memory_bytes, x.bandwidth_bytes_per_s, x.launch_overhead_ns, x.vector_flops) == (10**9, 2e9, 3, 4e12)
+    assert x.peak_flops == {PeakClass.BF16: 5e12}
+    assert probed == []
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (("bandwidth_gb_s = 2", "bandwidth_gb_s = -2"), "device.x.bandwidth_gb_s"),
+        (("bandwidth_gb_s = 2", "bandwidth_gb_s = 0"), "device.x.bandwidth_gb_s"),
+        (("bandwidth_gb_s = 2", 'bandwidth_gb_s = "fast"'), "device.x.bandwidth_gb_s"),
+        (("bf16 = 5", "bf17 = 5"), "device.x.peak_tflops.bf17"),
+        (('memory = "datasheet c"\n', ""), "device.x.sources.memory"),
+        (('kind = "gpu"', 'kind = "tpu"'), "device.x.kind"),
+        (("vector_tflops = 4", "vector_tflops = 4\nspeed = 1"), "device.x.speed"),
+        (("schema = 1", "schema = 2"), "schema"),
+    ],
+)
+def test_malformed_specs_name_file_and_key(edit, key):
+    old, new = edit
+    with pytest.raises(DeviceSpecError) as raised:
+        parse_devices(GOOD.replace(old, new), "devs.toml")
+    assert raised.value.file == "devs.toml"
+    assert raised.value.key == key
+    assert "devs.toml" in str(raised.value) and key in str(raised.value)
