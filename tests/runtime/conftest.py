@@ -1,0 +1,141 @@
+"""Shared runtime fixtures: the real SmolLM2 weights (converted once per session), its tokenizer
+and transformers oracle, and a tiny synthetic llama GGUF for fast, exact loader tests.
+
+The conversion cache is ``$FUEL_CACHE_DIR`` when set (so repeated runs reuse it), else a
+directory under pytest's session temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuel.runtime.gguf_loader import permute_rotary_rows
+
+
+@pytest.fixture(scope="session")
+def fuel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    configured = os.environ.get("FUEL_CACHE_DIR")
+    return Path(configured) if configured else tmp_path_factory.mktemp("fuel-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_weights(fuel_cache: Path):
+    from fuel.runtime.weights import load_weights
+
+    return load_weights(cache=fuel_cache, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_weights):
+    from fuel.runtime.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_weights.source.folder)
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle(smollm2_weights):
+    from fuel.runtime.oracle import oracle_for
+
+    return oracle_for(smollm2_weights)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A synthetic llama GGUF and the Hugging Face tensors it was written from."""
+
+    path: Path
+    hf_tensors: dict[str, np.ndarray]
+    heads: int = 2
+    kv_heads: int = 1
+    head_dim: int = 4
+    hidden: int = 8
+    ffn: int = 16
+    layers: int = 2
+
+
+TINY_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "c", "Ġ", "ab", "Ġa", "1", "2", "12"]
+TINY_TYPES = [3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+TINY_MERGES = ["a b", "Ġ a", "1 2"]
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    pre: str = "smollm",
+    chat_template: str | None = None,
+    tied: bool = True,
+    architecture: str = "llama",
+    seed: int = 0,
+) -> TinyModel:
+    """Write a 2-layer llama GGUF (F32 tensors, llama.cpp's Q/K row order) with a tiny BPE vocab."""
+    import gguf
+
+    model = TinyModel(path=path, hf_tensors={})
+    rng = np.random.default_rng(seed)
+    vocab = len(TINY_TOKENS)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(model.layers)
+    writer.add_context_length(64)
+    writer.add_embedding_length(model.hidden)
+    writer.add_feed_forward_length(model.ffn)
+    writer.add_head_count(model.heads)
+    writer.add_head_count_kv(model.kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_rope_dimension_count(model.head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(TINY_TOKENS)
+    writer.add_token_types(TINY_TYPES)
+    writer.add_token_merges(TINY_MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    def tensor(gguf_name: str, hf_name: str, shape: tuple[int, ...], permute_heads: int | None = None) -> None:
+        values = rng.standard_normal(shape).astype(np.float32)
+        model.hf_tensors[hf_name] = values
+        stored = permute_rotary_rows(values, permute_heads) if permute_heads else values
+        writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
+
+    h, kv = model.hidden, model.kv_heads * model.head_dim
+    tensor("token_embd.weight", "model.embed_tokens.weight", (vocab, h))
+    for i in range(model.layers):
+        prefix, hf = f"blk.{i}", f"model.layers.{i}"
+        tensor(f"{prefix}.attn_norm.weight", f"{hf}.input_layernorm.weight", (h,))
+        tensor(f"{prefix}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", (h, h), model.heads)
+        tensor(f"{prefix}.attn_k.weight", f"{hf}.self_attn.k_proj.weight", (kv, h), model.kv_heads)
+        tensor(f"{prefix}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", (kv, h))
+        tensor(f"{prefix}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (h, h))
+        tensor(f"{prefix}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (h,))
+        tensor(f"{prefix}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (model.ffn, h))
+        tensor(f"{prefix}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (model.ffn, h))
+        tensor(f"{prefix}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (h, model.ffn))
+    tensor("output_norm.weight", "model.norm.weight", (h,))
+    if not tied:
+        tensor("output.weight", "lm_head.weight", (vocab, h))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> TinyModel:
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+@pytest.fixture
+def make_tiny_gguf():
+    """:func:`write_tiny_gguf` itself, for tests that need variants."""
+    return write_tiny_gguf
