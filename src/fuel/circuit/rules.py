@@ -257,6 +257,22 @@ def load_rules(path: str | Path) -> RuleSet:
     return parse_rules(raw, str(path))
 
 
+BUILTIN_RULE_SETS = ("cpu", "cuda")
+"""Rule sets shipped under ``fuel/data/rules/``."""
+
+
+def builtin_rules_path(name: str) -> Path:
+    """The path of a built-in rule set (``cpu``, ``cuda``)."""
+    if name not in BUILTIN_RULE_SETS:
+        raise RuleError(name, None, None, f"no built-in rule set `{name}` (built in: "
+                                          f"{', '.join(BUILTIN_RULE_SETS)})")
+    return Path(__file__).resolve().parent.parent / "data" / "rules" / f"{name}.toml"
+
+
+def load_builtin_rules(name: str) -> RuleSet:
+    return load_rules(builtin_rules_path(name))
+
+
 def parse_rules(data: bytes | str, file: str = "<rules>") -> RuleSet:
     """Parse rule-file text into a :class:`RuleSet` (rules in file order)."""
     raw = data.encode() if isinstance(data, str) else data
