@@ -25,3 +25,28 @@ __all__ = [
     "Edge", "Format", "FormatError", "FormatKind", "LayerKind", "Node", "Op", "OpKind", "Scale",
     "ScaleKind", "Section", "parse_dim", "parse_format", "parse_shape",
 ]
+
+# Circuit files, config maps, instantiation and the model zoo (issue 2).
+from fuel.circuit.config_map import (
+    ConfigMap,
+    ConfigMapError,
+    ConfigRefused,
+    MissingKey,
+    RequirementViolated,
+    UnclassifiedKey,
+    UnsupportedModelType,
+    load_config,
+    load_config_map,
+    shape_from_config,
+    shape_from_file,
+)
+from fuel.circuit.instantiate import InstantiateError, instantiate
+from fuel.circuit.template import CircuitLoadError, CircuitTemplate, load_circuit
+from fuel.circuit import zoo
+
+__all__ += [
+    "CircuitLoadError", "CircuitTemplate", "ConfigMap", "ConfigMapError", "ConfigRefused",
+    "InstantiateError", "MissingKey", "RequirementViolated", "UnclassifiedKey",
+    "UnsupportedModelType", "instantiate", "load_circuit", "load_config", "load_config_map",
+    "shape_from_config", "shape_from_file", "zoo",
+]
