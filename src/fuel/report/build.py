@@ -1,0 +1,352 @@
+"""Assemble the plan report: one JSON document (schema ``plan_report.schema.json``) that the
+text, JSON and HTML outputs all render.
+
+Decides which cases, plans and tiers a report holds and in what order:
+
+- roofline cases: decode at C = 1 (mode ``decode``) and C = 16, 128 (mode ``multi_seq``, rows
+  C), at the stated context per sequence; prefill of 4k and 32k tokens, run as chunks of
+  ``prefill_chunk`` rows (mode ``prefill``), each chunk attending the prompt so far;
+- plan summaries for one representative tier per mode;
+- gaps over every covering plan the report made, each with its share of the first case whose
+  plan holds it;
+- the coverage matrix over every tier, and the requested ``--serve`` modes' unplanned tiers.
+
+Inputs are values (circuit, device spec, rule set choice, policy); the only file this module
+reads is a built-in rule set, in :func:`rule_set_for` (the loading edge). Same inputs, same
+document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from fuel.circuit.format import BF16, Format
+from fuel.circuit.fuser import AvailableKernels, FuseError, FusionPlan, Policy
+from fuel.circuit.ir import Circuit
+from fuel.circuit.rules import Mode, RepeatKind, RuleSet, load_rules
+from fuel.circuit.runs import RowTable
+from fuel.report.coverage import (DEFAULT_TABLES, CoverageCell, Tier, coverage_matrix,
+                                  covering_fuse, gaps_of, is_novel, tiers, unserved)
+from fuel.report.jit import gap_request
+from fuel.report.memory import USABLE_FRACTION, memory_fit, stored_weight_bytes
+from fuel.report.roofline import (DeviceRates, PlannedGroup, SequenceRows, StepEstimate, Workload,
+                                  decode_weight_bytes, estimate_step, kv_bytes_per_token)
+
+SCHEMA_ID = "fuel-plan-report/1"
+DECODE_CONCURRENCIES = (1, 16, 128)
+PREFILL_TOKENS = (4096, 32768)
+
+NOTES = (
+    "Ceiling: every node costs max(bytes / bandwidth, FLOPs / peak), summed over the plan's "
+    "groups; it includes NO launch overhead. '+launch' adds launches x the device's launch "
+    "overhead.",
+    "Edges a plan keeps inside one group cost no memory traffic; weights are read in their stored "
+    "formats, scales included.",
+    "Decode at C sequences reads each sequence's whole KV cache at the stated context; prefill "
+    "runs in chunks, each chunk attending the prompt so far (causal).",
+    "Per-row loops (per_row, chunk<n>) re-read weights per pass; MoE layers read "
+    "E*(1-(1-k/E)^T) distinct experts for T tokens (uniform routing).",
+    "Matmul-like ops run at the tensor peak of their input dtype, element-wise ops at the fp32 "
+    "vector peak. Available kernels are the offline view (every kernel the rule set names).",
+    "Memory fit: usable = device memory x 0.9; need = stored weights + KV bytes per token x "
+    "context x C.",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RuleChoice:
+    """The rule set a device's backend picks, or ``rules=None`` and why none applies."""
+
+    name: str | None
+    backend: str | None
+    rules: RuleSet | None
+    reason: str
+
+
+def rule_set_for(title: str, kind: str) -> RuleChoice:
+    """A device's rule set: ``cpu`` for the CPU fuel runs on, ``cuda`` for NVIDIA GPUs (by the
+    spec's title, which names the vendor); none for other vendors: fuel ships no ROCm or Metal
+    rules, and pretending a CUDA stack runs there would report kernels that do not exist."""
+    if kind == "cpu":
+        name, backend = "cpu", "cpu"
+        reason = "the CPU backend's rule set (fuel's own kernels)"
+    elif title.startswith("NVIDIA"):
+        name, backend = "cuda", "cuda"
+        reason = "an NVIDIA GPU: the CUDA serving stack's rule set"
+    else:
+        return RuleChoice(None, None, None,
+                          f"no rule set applies to {title}: fuel ships `cpu` and `cuda` (NVIDIA) "
+                          "only; every op is a gap and the roofline prices unfused single ops")
+    path = resources.files("fuel") / "data" / "rules" / f"{name}.toml"
+    return RuleChoice(name, backend, load_rules(str(path)), reason)
+
+
+@dataclass(frozen=True, slots=True)
+class ReportOptions:
+    context: int = 4096
+    kv_format: Format = BF16
+    prefill_chunk: int = 2048
+    tables: tuple[RowTable, ...] = field(
+        default_factory=lambda: tuple(RowTable.parse(t) for t in DEFAULT_TABLES))
+    serve: tuple[Mode, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """The device as the document shows it: rates plus its title and number sources."""
+
+    rates: DeviceRates
+    title: str
+    sources: dict[str, str]
+
+
+class _Planner:
+    """Covering plans, built once per (mode, rows, table) and reused."""
+
+    def __init__(self, circuit: Circuit, choice: RuleChoice, policy: Policy):
+        self.circuit, self.policy = circuit, policy
+        self.rules = tuple(choice.rules) if choice.rules is not None else ()
+        self.available = AvailableKernels.all_named_by(self.rules)
+        self.cache: dict[tuple[Mode, int, str], FusionPlan | FuseError] = {}
+
+    def plan(self, mode: Mode, rows: int, table: RowTable | None = None) -> FusionPlan | FuseError:
+        key = (mode, rows, table.text() if table else "")
+        if key not in self.cache:
+            try:
+                self.cache[key] = covering_fuse(self.circuit, self.rules, self.available,
+                                                self.policy, mode, rows, table)
+            except FuseError as error:
+                self.cache[key] = error
+        return self.cache[key]
+
+
+def planned_groups(plan: FusionPlan) -> list[PlannedGroup]:
+    out = []
+    for g in plan.groups:
+        looped = g.repeat.kind in (RepeatKind.PER_ROW, RepeatKind.CHUNK, RepeatKind.PER_ROW_BUT_LAST)
+        passes = max(1, g.repeat.count(plan.rows) or 1) if looped else 1
+        out.append(PlannedGroup(g.nodes, g.rule, g.launch_count(plan.rows), passes))
+    return out
+
+
+def _fused_edges(plan: FusionPlan):
+    by_group: dict[int, set[int]] = {}
+    for e, state in enumerate(plan.edge_states):
+        if state is not None and state.group is not None:
+            by_group.setdefault(state.group, set()).add(e)
+    frozen = {g: frozenset(edges) for g, edges in by_group.items()}
+    return lambda g: frozen.get(g, frozenset())
+
+
+def _estimate(circuit: Circuit, plan: FusionPlan, load: Workload, rates: DeviceRates) -> StepEstimate:
+    return estimate_step(circuit, planned_groups(plan), load, rates,
+                         edge_formats=plan.edge_formats, fused_edges=_fused_edges(plan))
+
+
+@dataclass
+class _Case:
+    name: str
+    mode: Mode
+    rows: int
+    concurrency: int
+    context: int
+    steps: list[tuple[FusionPlan, StepEstimate]]
+    error: str | None = None
+
+
+def build_report(model: str, circuit: Circuit, device: DeviceInfo, choice: RuleChoice,
+                 policy: Policy, options: ReportOptions = ReportOptions()) -> dict[str, Any]:
+    """The report document for ``model`` (its ``circuit``) on ``device``."""
+    rates = device.rates
+    planner = _Planner(circuit, choice, policy)
+    cases = _cases(circuit, planner, rates, options)
+    floor_bytes = decode_weight_bytes(circuit)
+    floor_ns = floor_bytes / rates.bandwidth * 1e9
+    kv_token = kv_bytes_per_token(circuit, options.kv_format)
+    fit = memory_fit(stored_weight_bytes(circuit), kv_token, options.kv_format,
+                     rates.memory_bytes)
+    tier_list = tiers(options.tables)
+    cells = coverage_matrix(circuit, tuple(choice.rules) if choice.rules is not None else None,
+                            planner.available, policy, tier_list, choice.reason)
+    plans = _plan_summaries(circuit, planner, options)
+    gaps = _gaps(circuit, cases, plans, choice)
+    shape = circuit.shape
+    return {
+        "schema": SCHEMA_ID,
+        "model": {"name": model, "arch": circuit.arch,
+                  "layers": shape.layers if shape else _count_layers(circuit),
+                  "dims": dict(sorted(circuit.dims.items())),
+                  "weight_format": shape.weight_format.name() if shape and shape.weight_format
+                  else None},
+        "device": {"name": rates.name, "title": device.title,
+                   "bandwidth_bytes_per_s": rates.bandwidth,
+                   "peak_flops_per_s": dict(sorted(rates.peaks.items())),
+                   "memory_bytes": rates.memory_bytes,
+                   "launch_overhead_ns": rates.launch_overhead_ns,
+                   "sources": dict(sorted(device.sources.items()))},
+        "rule_set": {"name": choice.name, "digest": choice.rules.digest if choice.rules else None,
+                     "reason": choice.reason},
+        "assumptions": {"context": options.context, "kv_format": options.kv_format.name(),
+                        "usable_memory_fraction": USABLE_FRACTION,
+                        "notes": [*NOTES, f"Prefill runs in chunks of {options.prefill_chunk} "
+                                  "rows."]},
+        "weight_floor": {"weight_bytes": floor_bytes, "ns": floor_ns,
+                         "tokens_per_s": 1e9 / floor_ns if floor_ns > 0 else None},
+        "roofline": [_case_doc(c) for c in cases if c.steps],
+        "memory_fit": {"device_bytes": fit.device_bytes, "usable_bytes": fit.usable_bytes,
+                       "weight_bytes": fit.weight_bytes, "kv_bytes_per_token": kv_token,
+                       "kv_format": options.kv_format.name(),
+                       "cells": [{"context": c.context, "concurrency": c.concurrency,
+                                  "need_bytes": c.need_bytes, "fits": c.fits,
+                                  "shortfall_bytes": c.shortfall_bytes} for c in fit.cells]},
+        "plans": [_plan_doc(circuit, p) for p in plans],
+        "gaps": gaps,
+        "coverage": [_cell_doc(c) for c in cells],
+        "serve": unserved(cells, options.serve),
+    }
+
+
+def _count_layers(circuit: Circuit) -> int:
+    return len({b.layer for b in circuit.blocks if b.layer is not None})
+
+
+def _cases(circuit: Circuit, planner: _Planner, rates: DeviceRates,
+           options: ReportOptions) -> list[_Case]:
+    cases = []
+    for c in DECODE_CONCURRENCIES:
+        mode = Mode.DECODE if c == 1 else Mode.MULTI_SEQ
+        case = _Case(f"decode C={c}", mode, c, c, options.context, [])
+        plan = planner.plan(mode, c)
+        if isinstance(plan, FuseError):
+            case.error = str(plan)
+        else:
+            load = Workload.decode(c, options.context, options.kv_format)
+            case.steps.append((plan, _estimate(circuit, plan, load, rates)))
+        cases.append(case)
+    for tokens in PREFILL_TOKENS:
+        case = _Case(f"prefill {tokens // 1024}k", Mode.PREFILL, tokens, 1, tokens, [])
+        done = 0
+        while done < tokens:
+            rows = min(options.prefill_chunk, tokens - done)
+            done += rows
+            plan = planner.plan(Mode.PREFILL, rows)
+            if isinstance(plan, FuseError):
+                case.error, case.steps = str(plan), []
+                break
+            load = Workload((SequenceRows(rows, done),), options.kv_format)
+            case.steps.append((plan, _estimate(circuit, plan, load, rates)))
+        cases.append(case)
+    return cases
+
+
+def _case_doc(case: _Case) -> dict[str, Any]:
+    ests = [e for _, e in case.steps]
+    ceiling = sum(e.ceiling_ns for e in ests)
+    with_launch = sum(e.with_launch_ns for e in ests)
+    by_op: dict[str, float] = {}
+    sites: dict[tuple[str, tuple[str, ...], str], dict[str, Any]] = {}
+    for e in ests:
+        for op, ns in e.time_by_op().items():
+            by_op[op] = by_op.get(op, 0.0) + ns
+        for g in e.groups:
+            key = (g.block, g.locals, g.rule)
+            site = sites.setdefault(key, {"block": g.block, "locals": list(g.locals),
+                                          "rule": g.rule, "count": 0, "flops": 0.0,
+                                          "bytes": 0.0, "ns": 0.0})
+            site["count"] += 1
+            site["flops"] += g.flops
+            site["bytes"] += g.bytes
+            site["ns"] += g.ceiling_ns
+    tokens = case.rows
+    return {
+        "name": case.name, "mode": case.mode.value, "rows": case.rows,
+        "concurrency": case.concurrency, "context": case.context,
+        "planned": not any(is_novel(g.rule) for p, _ in case.steps for g in p.groups),
+        "ceiling_ns": ceiling, "with_launch_ns": with_launch,
+        "launches": sum(e.launches for e in ests),
+        "tokens_per_s_ceiling": tokens / ceiling * 1e9 if ceiling else 0.0,
+        "tokens_per_s_with_launch": tokens / with_launch * 1e9 if with_launch else 0.0,
+        "weight_bytes": sum(e.weight_bytes for e in ests),
+        "kv_bytes": sum(e.kv_bytes for e in ests),
+        "flops": sum(g.flops for e in ests for g in e.groups),
+        "bytes": sum(g.bytes for e in ests for g in e.groups),
+        "time_by_op": by_op,
+        "sites": list(sites.values()),
+    }
+
+
+def _plan_summaries(circuit: Circuit, planner: _Planner,
+                    options: ReportOptions) -> list[FusionPlan]:
+    """One representative covering plan per mode (modes whose section is empty are skipped;
+    the coverage matrix says why)."""
+    picks: list[tuple[Mode, int, RowTable | None]] = [
+        (Mode.DECODE, 1, None), (Mode.MULTI_SEQ, 16, None), (Mode.VERIFY, 4, None)]
+    if options.tables:
+        picks.append((Mode.VERIFY_BATCH, options.tables[0].rows(), options.tables[0]))
+    picks += [(Mode.DRAFT, 1, None), (Mode.PREFILL, options.prefill_chunk, None)]
+    out = []
+    for mode, rows, table in picks:
+        plan = planner.plan(mode, rows, table)
+        if not isinstance(plan, FuseError):
+            out.append(plan)
+    return out
+
+
+def _plan_doc(circuit: Circuit, plan: FusionPlan) -> dict[str, Any]:
+    sites: dict[tuple[str, tuple[str, ...], str], dict[str, Any]] = {}
+    for g in plan.groups:
+        first = circuit.nodes[g.nodes[0]]
+        locals_ = tuple(circuit.nodes[n].local for n in g.nodes)
+        key = (circuit.blocks[first.block].name, locals_, g.rule)
+        site = sites.setdefault(key, {"block": key[0], "locals": list(locals_),
+                                      "kernels": [str(k) for k in g.kernels], "rule": g.rule,
+                                      "count": 0})
+        site["count"] += 1
+    states = [s for s in plan.edge_states if s is not None]
+    return {"mode": plan.mode.value, "rows": plan.rows,
+            "table": plan.table.text() if plan.table else None, "digest": plan.digest,
+            "groups": len(plan.groups), "launches": plan.launches(), "copies": plan.copies(),
+            "fused_edges": sum(1 for s in states if s.is_fused),
+            "materialized_edges": sum(1 for s in states if not s.is_fused),
+            "novel_groups": sum(1 for g in plan.groups if is_novel(g.rule)),
+            "sites": list(sites.values())}
+
+
+def _gaps(circuit: Circuit, cases: Sequence[_Case], plans: Sequence[FusionPlan],
+          choice: RuleChoice) -> list[dict[str, Any]]:
+    found: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for case in cases:
+        for plan, est in case.steps:
+            node_ns = {n: ns for g, group in zip(est.groups, plan.groups, strict=True)
+                       for n, ns in zip(group.nodes, g.node_ns, strict=True)}
+            step_ns = est.ceiling_ns
+            for site in gaps_of(circuit, plan):
+                key = (site.op, site.block, site.local)
+                entry = found.setdefault(key, {"site": site, "modes": set(), "share": None,
+                                               "rows": plan.rows})
+                entry["modes"].add(plan.mode.value)
+                if entry["share"] is None and step_ns > 0:
+                    entry["share"] = sum(node_ns[n] for n in site.nodes) / step_ns
+    for plan in plans:
+        for site in gaps_of(circuit, plan):
+            key = (site.op, site.block, site.local)
+            entry = found.setdefault(key, {"site": site, "modes": set(), "share": None,
+                                           "rows": plan.rows})
+            entry["modes"].add(plan.mode.value)
+    out = []
+    for entry in sorted(found.values(), key=lambda e: e["site"].nodes[0]):
+        site = entry["site"]
+        out.append({"op": site.op, "block": site.block, "local": site.local,
+                    "modes": sorted(entry["modes"]), "count": len(site.nodes),
+                    "share_of_step": min(1.0, entry["share"] or 0.0),
+                    "request": gap_request(circuit, site.nodes[0], entry["rows"], choice.backend)})
+    return out
+
+
+def _cell_doc(cell: CoverageCell) -> dict[str, Any]:
+    return {"mode": cell.tier.mode.value, "tier": cell.tier.label, "rows": cell.tier.rows,
+            "planned": cell.planned, "launches": cell.launches, "reason": cell.reason}
+
