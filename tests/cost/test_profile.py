@@ -1,0 +1,53 @@
+"""The profiler: warm-up, calibrated batches, median and spread — checked with a fake clock."""
+
+import itertools
+
+import pytest
+
+from fuel.cost import profile_kernel
+
+
+def fake_clock(durations):
+    """A clock where each kernel call advances time by the next duration."""
+    state = {"now": 0}
+    calls = itertools.cycle(durations)
+
+    def call():
+        state["now"] += next(calls)
+
+    return call, lambda: state["now"]
+
+
+def test_warmup_calls_are_not_timed_and_the_median_is_per_call():
+    seen = []
+    call, clock = fake_clock([1000])
+    measured = profile_kernel(lambda: (seen.append(1), call()), warmup=4, repeats=5, min_sample_ns=1, clock=clock)
+    assert measured.median_ns == 1000
+    assert measured.samples == 5
+    assert measured.spread_ns == 0
+    assert len(seen) == 4 + 1 + 5  # warm-up, one calibration call, five samples
+
+
+def test_short_calls_are_batched_until_a_sample_spans_the_minimum():
+    call, clock = fake_clock([10])
+    measured = profile_kernel(call, warmup=0, repeats=3, min_sample_ns=1000, clock=clock)
+    assert measured.calls_per_sample == 128  # first power of two with 10 * calls >= 1000
+    assert measured.median_ns == 10
+
+
+def test_spread_is_the_interquartile_range_of_samples():
+    durations = [100, 100, 200, 300, 1000]  # one call per sample
+    call, clock = fake_clock([100] + durations)  # the first feeds calibration
+    measured = profile_kernel(call, warmup=0, repeats=5, min_sample_ns=1, clock=clock)
+    assert measured.median_ns == 200
+    assert measured.spread_ns == 300 - 100
+
+
+def test_a_latency_is_never_zero():
+    call, clock = fake_clock([0])
+    assert profile_kernel(call, warmup=0, repeats=3, min_sample_ns=0, max_calls_per_sample=4, clock=clock).median_ns == 1
+
+
+def test_repeats_must_be_positive():
+    with pytest.raises(ValueError):
+        profile_kernel(lambda: None, repeats=0)
