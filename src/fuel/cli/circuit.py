@@ -1,0 +1,113 @@
+"""``fuel circuit``: build a model's circuit and describe it.
+
+``resolve_circuit`` is the one way commands turn ``MODEL | --config FILE [--circuit FILE]`` into
+a :class:`fuel.circuit.Circuit`; other ``fuel circuit`` commands (``show``) reuse it and
+``circuit_app``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fuel.circuit.ir import Circuit, Section
+from fuel.cli.app import app
+from fuel.errors import InputError
+
+circuit_app = typer.Typer(help="Build a model's circuit and describe it.", no_args_is_help=True)
+app.add_typer(circuit_app, name="circuit")
+
+ModelArg = Annotated[str | None, typer.Argument(help="A zoo model (see `fuel models`).")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A Hugging Face config.json.")]
+CircuitOpt = Annotated[Path | None, typer.Option(
+    "--circuit", help="A circuit file (default: the built-in circuit of the model's arch).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def resolve_circuit(model: str | None, circuit_file: Path | None, config_file: Path | None,
+                    *, draft: bool = True) -> Circuit:
+    """A zoo model name, or a config.json, instantiated with a circuit file or the built-in
+    circuit of its arch. Exactly one of ``model`` and ``config_file``."""
+    from fuel.circuit import zoo
+    from fuel.circuit.config_map import shape_from_file
+    from fuel.circuit.instantiate import instantiate
+    from fuel.circuit.template import load_circuit
+
+    if (model is None) == (config_file is None):
+        raise InputError("command line", "MODEL | --config",
+                         "name a zoo model or pass --config PATH (exactly one)")
+    shape = zoo.shape(model) if model is not None else shape_from_file(config_file)
+    if circuit_file is None:
+        return zoo.circuit_for(shape, draft=draft)
+    return instantiate(load_circuit(circuit_file), shape, draft=draft)
+
+
+def describe(circuit: Circuit) -> dict[str, Any]:
+    """What ``fuel circuit describe`` reports, as plain data."""
+    shape = circuit.shape
+    kinds = Counter(b.layer_kind.value for b in circuit.blocks
+                    if b.layer_kind is not None and b.first == _first_block_node(circuit, b.layer))
+    sections: dict[str, dict[str, int]] = {}
+    for section in Section:
+        nodes = [i for i, _ in enumerate(circuit.nodes) if circuit.section_of_node(i) is section]
+        if not nodes:
+            continue
+        members = set(nodes)
+        edges = sum(1 for e in circuit.edges if e.producer in members)
+        blocks = sum(1 for b in circuit.blocks if b.section is section)
+        sections[section.value] = {"blocks": blocks, "nodes": len(nodes), "edges": edges}
+    ops = Counter(node.op.name() for node in circuit.nodes)
+    return {
+        "arch": circuit.arch,
+        "model_type": shape.model_type if shape else None,
+        "layers": shape.layers if shape else len({b.layer for b in circuit.blocks} - {None}),
+        "layers_by_kind": dict(sorted(kinds.items())),
+        "sections": sections,
+        "nodes": len(circuit.nodes),
+        "edges": len(circuit.edges),
+        "dims": dict(circuit.dims),
+        "params": dict(sorted(shape.params.items())) if shape else {},
+        "weight_format": shape.weight_format.name() if shape and shape.weight_format else None,
+        "ops": dict(sorted(ops.items())),
+    }
+
+
+def _first_block_node(circuit: Circuit, layer: int | None) -> int:
+    return min(b.first for b in circuit.blocks if b.layer == layer)
+
+
+@circuit_app.command("describe")
+def describe_command(model: ModelArg = None, config: ConfigOpt = None, circuit: CircuitOpt = None,
+                     as_json: JsonOpt = False) -> None:
+    """Layers by kind, node and edge counts per section, dims and params of a model's circuit."""
+    built = resolve_circuit(model, circuit, config)
+    data = describe(built)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    print_description(model or str(config), data)
+
+
+def print_description(title: str, data: dict[str, Any]) -> None:
+    console = Console(highlight=False)
+    kinds = ", ".join(f"{count} {kind}" for kind, count in data["layers_by_kind"].items())
+    console.print(f"[bold]{title}[/]: circuit [cyan]{data['arch']}[/] "
+                  f"({data['model_type']}), {data['layers']} layers ({kinds})")
+    sections = Table("section", "blocks", "nodes", "edges", title="sections")
+    for name, counts in data["sections"].items():
+        sections.add_row(name, str(counts["blocks"]), str(counts["nodes"]), str(counts["edges"]))
+    console.print(sections)
+    dims = Table("dim", "value", title="dims")
+    for name, value in data["dims"].items():
+        dims.add_row(name, str(value))
+    console.print(dims)
+    params = Table("param", "value", title="params")
+    for name, value in data["params"].items():
+        params.add_row(name, value or "(none)")
+    console.print(params)
