@@ -103,6 +103,30 @@ class DeviceInfo:
     sources: dict[str, str]
 
 
+def device_info(spec: Any) -> DeviceInfo:
+    """The report's view of a cost-stage :class:`fuel.cost.spec.DeviceSpec`: bandwidth, the
+    fp32 vector rate (``fp32``) and the dense tensor peaks the roofline prices at (``bf16``,
+    falling back to the chip's fp16 peak, which datasheets quote as equal; ``fp8``; ``fp4``)."""
+    from fuel.cost.spec import PeakClass
+
+    peaks = {"fp32": float(spec.vector_flops)}
+    tensor = {"bf16": spec.peak_flops.get(PeakClass.BF16) or spec.peak_flops.get(PeakClass.FP16),
+              "fp8": spec.peak_flops.get(PeakClass.FP8), "fp4": spec.peak_flops.get(PeakClass.FP4)}
+    peaks.update({k: float(v) for k, v in tensor.items() if v})
+    rates = DeviceRates(spec.name, float(spec.bandwidth_bytes_per_s), peaks,
+                        float(spec.launch_overhead_ns), int(spec.memory_bytes))
+    return DeviceInfo(rates, spec.title, dict(spec.sources))
+
+
+def kv_format_for(policy: Policy, activation: Format = BF16) -> Format:
+    """The KV cache element format the policy's ``kv_cache_dtype`` states: ``auto`` keeps the
+    activation format, ``fp8`` stores E4M3 (its per-tensor scale counted)."""
+    from fuel.circuit.format import parse
+
+    setting = policy.settings.get("kv_cache_dtype", "auto")
+    return activation if setting == "auto" else parse(f"{setting}/tensor")
+
+
 class _Planner:
     """Covering plans, built once per (mode, rows, table) and reused."""
 

@@ -274,8 +274,12 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
         e = node.inputs[0]
         return _compute_of(formats[e] if formats is not None else circuit.edges[e].format)
 
-    def elementwise(per_element: int, width: int) -> NodeWork:
-        return NodeWork(float(per_element * rows * width), 0.0, io_bytes(), 0.0,
+    def elements(edges: Sequence[int]) -> int:
+        return sum(circuit.edges[e].rows_at(rows, dims) * circuit.edges[e].dim_value for e in edges)
+
+    def elementwise(per_element: int, edges: Sequence[int]) -> NodeWork:
+        # FLOPs per element of the named edges (the outputs, or the inputs of a reduction).
+        return NodeWork(float(per_element * elements(edges)), 0.0, io_bytes(), 0.0,
                         ComputeClass.VECTOR)
 
     def sequence_passes(seq: SequenceRows) -> int:
@@ -321,23 +325,25 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             return NodeWork(0.0, 0.0, io_bytes(), float(written), ComputeClass.VECTOR)
         case OpKind.RMS_NORM | OpKind.FINAL_NORM | OpKind.QK_NORM:
             fmt = _weight_format(circuit, node)
-            width = in_dim()
-            gain = fmt.bytes(1, out_dim() if kind is not OpKind.QK_NORM else
-                             _dim(circuit, node, "head_dim"))
-            return NodeWork(float(_NORM_FLOPS * rows * width), float(gain * passes), io_bytes(),
-                            0.0, ComputeClass.VECTOR)
+            gain_width = _dim(circuit, node, "head_dim") if kind is OpKind.QK_NORM else out_dim()
+            gain = len(node.bindings) * fmt.bytes(1, gain_width)
+            return NodeWork(float(_NORM_FLOPS * elements(node.outputs)), float(gain * passes),
+                            io_bytes(), 0.0, ComputeClass.VECTOR)
         case OpKind.SILU_MUL | OpKind.GELU_TANH_MUL:
-            return elementwise(_GATED_ACT_FLOPS, out_dim())
+            return elementwise(_GATED_ACT_FLOPS, node.outputs)
         case OpKind.ROPE:
-            return elementwise(_ROPE_FLOPS, sum(circuit.edges[e].dim_value for e in node.outputs))
-        case OpKind.ACT_QUANT:
-            return elementwise(_QUANT_FLOPS, in_dim())
-        case OpKind.LOGIT_SOFTCAP:
-            return elementwise(_SOFTCAP_FLOPS, in_dim())
-        case OpKind.RESIDUAL_ADD | OpKind.ARGMAX | OpKind.TOP_K:
-            return elementwise(1, in_dim())
+            return elementwise(_ROPE_FLOPS, node.outputs)
+        case OpKind.ACT_QUANT | OpKind.LOGIT_SOFTCAP:
+            return elementwise(_QUANT_FLOPS if kind is OpKind.ACT_QUANT else _SOFTCAP_FLOPS,
+                               node.outputs)
+        case OpKind.RESIDUAL_ADD:
+            return elementwise(1, node.outputs)
+        case OpKind.ARGMAX | OpKind.TOP_K:
+            # A reduction: one compare per input element.
+            return elementwise(1, node.inputs[:1])
         case OpKind.BLEND:
-            return elementwise(2, sum(circuit.edges[e].dim_value for e in node.inputs))
+            # Weighted sum of the experts' rows: a multiply and an add per input element.
+            return elementwise(2, node.inputs[:1])
         case OpKind.COPY | OpKind.CONCAT | OpKind.SPLIT:
             return NodeWork(0.0, 0.0, io_bytes(), 0.0, ComputeClass.VECTOR)
     raise AssertionError(f"no cost model for op {kind}")  # the op set is closed
