@@ -1,0 +1,64 @@
+"""Formats (SPEC §A1): one spelling each, edge legality, exact byte counts with scales."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+from fuel.circuit.format import Format, FormatError, FormatKind, Scale, ScaleKind, parse
+
+ALL_NAMES = ["bf16", "f16", "f32", "i32", "fp8/tensor", "fp8/token", "fp8/channel", "fp8/g128",
+             "fp8/block128x128", "nvfp4/g16", "mxfp4/g32"]
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_every_format_round_trips_through_its_name(name):
+    assert parse(name).name() == name
+    assert parse(parse(name).name()) == parse(name)
+
+
+@given(st.sampled_from(["fp8", "nvfp4"]), st.integers(min_value=1, max_value=4096))
+def test_group_scales_round_trip_for_any_group(head, group):
+    fmt = parse(f"{head}/g{group}")
+    assert fmt == Format(FormatKind(head), Scale(ScaleKind.GROUP, group=group))
+    assert parse(fmt.name()) == fmt
+
+
+@pytest.mark.parametrize("text", ["BF16", "fp8", "fp8/Token", "fp8/g0", "fp8/g012", "nvfp4/tensor",
+                                  "mxfp4/g16", "fp8/block0x4", "int4", "fp8/token/x", ""])
+def test_other_spellings_are_refused_naming_the_text(text):
+    with pytest.raises(FormatError) as caught:
+        parse(text)
+    assert f"`{text}`" in str(caught.value) or text == ""
+
+
+@pytest.mark.parametrize("name,legal", [("bf16", True), ("fp8/token", True), ("fp8/tensor", True),
+                                        ("fp8/g128", True), ("nvfp4/g16", True), ("mxfp4/g32", True),
+                                        ("fp8/channel", False), ("fp8/block128x128", False)])
+def test_channel_and_block_scales_are_weight_only(name, legal):
+    assert parse(name).edge_legal is legal
+
+
+def test_plain_bytes_are_element_size_times_elements():
+    assert parse("bf16").bytes(3, 5) == 30
+    assert parse("f32").bytes(3, 5) == 60
+    assert parse("i32").bytes(2, 1) == 8
+
+
+def test_fp8_bytes_count_each_scale_as_f32():
+    assert parse("fp8/tensor").bytes(4, 256) == 4 * 256 + 4
+    assert parse("fp8/token").bytes(4, 256) == 4 * 256 + 4 * 4
+    assert parse("fp8/channel").bytes(4, 256) == 4 * 256 + 4 * 256
+    assert parse("fp8/g128").bytes(4, 300) == 4 * 300 + 4 * (4 * 3)
+    assert parse("fp8/block128x128").bytes(200, 300) == 200 * 300 + 4 * (2 * 3)
+
+
+def test_four_bit_bytes_pack_two_per_byte_and_count_one_byte_scales():
+    # nvfp4: packed data, one E4M3 byte per group of 16, plus one f32 global scale.
+    assert parse("nvfp4/g16").bytes(2, 33) == 2 * 17 + 2 * 3 + 4
+    # mxfp4: packed data and one E8M0 byte per 32 elements; no global scale.
+    assert parse("mxfp4/g32").bytes(2, 64) == 2 * 32 + 2 * 2
+
+
+@given(st.sampled_from(ALL_NAMES), st.integers(0, 64), st.integers(0, 512))
+def test_bytes_grow_with_rows(name, rows, dim):
+    fmt = parse(name)
+    assert fmt.bytes(rows + 1, dim) >= fmt.bytes(rows, dim) >= 0
