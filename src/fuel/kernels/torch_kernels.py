@@ -1,0 +1,281 @@
+"""PyTorch kernels for every primitive and for the fused ops with a real PyTorch kernel.
+
+Decides which (op, dtypes) pairs the torch backends serve and how. The kernels are device-
+agnostic torch calls, so the same set binds for ``cpu`` (``kernel_source="torch.cpu"``) and,
+where a GPU is present, ``cuda`` (``"torch.cuda"``).
+
+Deliberate gaps: ``paged_attn`` and ``residual_add_rms_norm`` have **no** fused kernel here.
+They run decomposed (their recipes over primitives) until the JIT synthesizes one; that gap is
+the JIT seam's reason to exist, and ``tests/kernels`` asserts the lookups miss.
+
+u32: PyTorch implements little arithmetic for ``torch.uint32``, so every signature with a u32
+operand runs its kernel on int64 copies and casts a u32 result back. The graph, the key and the
+result stay u32; only the kernel's internals widen.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fuel.graph.dtype import FLOAT_DTYPES, BackendId, DType
+from fuel.graph.ir import Node, Prim
+from fuel.graph.ops import OpKind, Predicate
+from fuel.graph.registry import FlashAttn, FusedOps
+from fuel.kernels.table import KernelBindingTable, KernelEntry, KernelFactory, Precision
+
+TORCH_DTYPES: dict[DType, torch.dtype] = {
+    DType.BOOL: torch.bool, DType.U8: torch.uint8, DType.I8: torch.int8, DType.U32: torch.uint32,
+    DType.I16: torch.int16, DType.I32: torch.int32, DType.I64: torch.int64,
+    DType.BF16: torch.bfloat16, DType.F16: torch.float16, DType.F32: torch.float32,
+    DType.F64: torch.float64, DType.F8E4M3: torch.float8_e4m3fn, DType.F8E5M2: torch.float8_e5m2,
+}
+"""The dtypes with a torch spelling (fp6/fp4 have none: packed formats torch cannot compute in)."""
+
+INTS = (DType.I32, DType.I64, DType.U32)
+NUMERIC = FLOAT_DTYPES + INTS
+ANY = NUMERIC + (DType.BOOL,)
+INDEX = (DType.U32, DType.I32, DType.I64)
+MAX_CONCAT_INPUTS = 16
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    return TORCH_DTYPES[dtype]
+
+
+def _attrs(node: Node) -> dict[str, Any]:
+    assert isinstance(node.op, Prim)
+    return node.op.attr_dict()
+
+
+def _fixed(fn: Callable[..., Any]) -> KernelFactory:
+    return lambda node: fn
+
+
+def _index_select(node: Node):
+    dim = _attrs(node)["dim"]
+
+    def take(x, index):
+        dim_ = dim % x.dim()
+        flat = torch.index_select(x, dim_, index.reshape(-1))
+        return flat.reshape(x.shape[:dim_] + index.shape + x.shape[dim_ + 1:])
+    return take
+
+
+def _kv_cache_write(node: Node):
+    def write(cache, rows, slots):
+        # The effect: the fed cache tensor is updated in place and returned, so readers that
+        # consume this node observe the write.
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+        return cache
+    return write
+
+
+_COMPARE = {Predicate.EQ: torch.eq, Predicate.NE: torch.ne, Predicate.LT: torch.lt,
+            Predicate.LE: torch.le, Predicate.GT: torch.gt, Predicate.GE: torch.ge}
+
+
+def _prim_factories() -> dict[OpKind, KernelFactory]:
+    a = _attrs
+    return {
+        OpKind.NEG: _fixed(torch.neg), OpKind.EXP: _fixed(torch.exp), OpKind.LOG: _fixed(torch.log),
+        OpKind.SQRT: _fixed(torch.sqrt), OpKind.RSQRT: _fixed(torch.rsqrt),
+        OpKind.TANH: _fixed(torch.tanh), OpKind.SILU: _fixed(F.silu),
+        OpKind.SIGMOID: _fixed(torch.sigmoid), OpKind.RECIP: _fixed(torch.reciprocal),
+        OpKind.ABS: _fixed(torch.abs),
+        OpKind.MUL_SCALAR: lambda n: (lambda x, v=a(n)["value"]: x * v),
+        OpKind.ADD_SCALAR: lambda n: (lambda x, v=a(n)["value"]: x + v),
+        OpKind.POW_SCALAR: lambda n: (lambda x, e=a(n)["exponent"]: torch.pow(x, e)),
+        OpKind.ADD: _fixed(torch.add), OpKind.SUB: _fixed(torch.sub), OpKind.MUL: _fixed(torch.mul),
+        OpKind.DIV: _fixed(torch.div), OpKind.MAXIMUM: _fixed(torch.maximum),
+        OpKind.COMPARE: lambda n: _COMPARE[a(n)["predicate"]],
+        OpKind.WHERE: _fixed(torch.where),
+        OpKind.MASKED_FILL: lambda n: (lambda x, m, v=a(n)["value"]: x.masked_fill(m, v)),
+        OpKind.CAST: lambda n: (lambda x, t=torch_dtype(a(n)["dtype"]): x.to(t)),
+        OpKind.SUM: lambda n: (lambda x, d=a(n)["dim"], k=a(n)["keepdim"]: torch.sum(x, d, k)),
+        OpKind.MAX: lambda n: (lambda x, d=a(n)["dim"], k=a(n)["keepdim"]: torch.amax(x, d, k)),
+        OpKind.MEAN: lambda n: (lambda x, d=a(n)["dim"], k=a(n)["keepdim"]: torch.mean(x, d, k)),
+        OpKind.ARGMAX: lambda n: (lambda x, d=a(n)["dim"], k=a(n)["keepdim"]: torch.argmax(x, d, k)),
+        OpKind.TOPK_VALUES: lambda n: (lambda x, k=a(n)["k"], d=a(n)["dim"]: torch.topk(x, k, d).values),
+        OpKind.TOPK_INDICES: lambda n: (lambda x, k=a(n)["k"], d=a(n)["dim"]: torch.topk(x, k, d).indices),
+        OpKind.MATMUL: _fixed(torch.matmul),
+        OpKind.RESHAPE: lambda n: (lambda x, s=a(n)["shape"]: x.reshape(s)),
+        OpKind.PERMUTE: lambda n: (lambda x, d=a(n)["dims"]: x.permute(d)),
+        OpKind.TRANSPOSE: lambda n: (lambda x, i=a(n)["dim0"], j=a(n)["dim1"]: x.transpose(i, j)),
+        OpKind.UNSQUEEZE: lambda n: (lambda x, d=a(n)["dim"]: x.unsqueeze(d)),
+        OpKind.EXPAND: lambda n: (lambda x, s=a(n)["shape"]: x.expand(s)),
+        OpKind.SLICE: lambda n: (lambda x, d=a(n)["dim"], s=a(n)["start"], e=a(n)["end"]:
+                                 x.narrow(d, s, e - s)),
+        OpKind.SELECT: lambda n: (lambda x, d=a(n)["dim"], i=a(n)["index"]: x.select(d, i)),
+        OpKind.CONCAT: lambda n: (lambda *xs, d=a(n)["dim"]: torch.cat(xs, d)),
+        OpKind.REPEAT_INTERLEAVE: lambda n: (lambda x, r=a(n)["repeats"], d=a(n)["dim"]:
+                                             torch.repeat_interleave(x, r, d)),
+        OpKind.IOTA: lambda n: (lambda x, d=a(n)["dim"], t=torch_dtype(a(n)["dtype"]):
+                                torch.arange(x.shape[d], device=x.device).to(t)),
+        OpKind.SIZE: lambda n: (lambda x, d=a(n)["dim"], t=torch_dtype(a(n)["dtype"]):
+                                torch.tensor(x.shape[d], device=x.device).to(t)),
+        OpKind.INDEX_SELECT: _index_select,
+        OpKind.GATHER: lambda n: (lambda x, i, d=a(n)["dim"]: torch.gather(x, d, i)),
+        OpKind.KV_CACHE_WRITE: _kv_cache_write,
+    }
+
+
+def _prim_signatures(kind: OpKind) -> Iterable[tuple[DType, ...]]:
+    """Every (inputs..., output) dtype tuple the torch kernels serve for a primitive."""
+    float_unary = {OpKind.EXP, OpKind.LOG, OpKind.SQRT, OpKind.RSQRT, OpKind.TANH, OpKind.SILU,
+                   OpKind.SIGMOID, OpKind.RECIP, OpKind.POW_SCALAR}
+    if kind in float_unary:
+        return ((d, d) for d in FLOAT_DTYPES)
+    if kind in (OpKind.NEG, OpKind.ABS, OpKind.MUL_SCALAR, OpKind.ADD_SCALAR):
+        return ((d, d) for d in NUMERIC)
+    if kind in (OpKind.ADD, OpKind.SUB, OpKind.MUL, OpKind.MAXIMUM):
+        return ((d, d, d) for d in NUMERIC)
+    if kind is OpKind.DIV:
+        return ((d, d, d) for d in FLOAT_DTYPES)
+    if kind is OpKind.COMPARE:
+        return ((d, d, DType.BOOL) for d in NUMERIC)
+    if kind is OpKind.WHERE:
+        return ((DType.BOOL, d, d, d) for d in ANY)
+    if kind is OpKind.MASKED_FILL:
+        return ((d, DType.BOOL, d) for d in NUMERIC)
+    if kind is OpKind.CAST:
+        castable = ANY + (DType.F8E4M3, DType.F8E5M2)
+        return ((s, t) for s, t in itertools.product(castable, castable)
+                if not ({s, t} & {DType.F8E4M3, DType.F8E5M2}) or {s, t} <= set(FLOAT_DTYPES) | {
+                    DType.F8E4M3, DType.F8E5M2})
+    if kind in (OpKind.SUM, OpKind.MAX):
+        return ((d, d) for d in NUMERIC)
+    if kind is OpKind.MEAN:
+        return ((d, d) for d in FLOAT_DTYPES)
+    if kind is OpKind.ARGMAX:
+        return ((d, DType.I64) for d in NUMERIC)
+    if kind is OpKind.TOPK_VALUES:
+        return ((d, d) for d in FLOAT_DTYPES)
+    if kind is OpKind.TOPK_INDICES:
+        return ((d, DType.I64) for d in FLOAT_DTYPES)
+    if kind is OpKind.MATMUL:
+        return ((d, d, d) for d in FLOAT_DTYPES)
+    if kind is OpKind.CONCAT:
+        return ((d,) * count + (d,) for d in ANY for count in range(1, MAX_CONCAT_INPUTS + 1))
+    if kind in (OpKind.IOTA, OpKind.SIZE):
+        return ((s, t) for s in ANY for t in INDEX)
+    if kind in (OpKind.INDEX_SELECT, OpKind.GATHER):
+        return ((d, i, d) for d in ANY for i in INDEX)
+    if kind is OpKind.KV_CACHE_WRITE:
+        return ((d, d, i, d) for d in FLOAT_DTYPES for i in INDEX)
+    # Layout ops move data of any dtype.
+    return ((d, d) for d in ANY)
+
+
+def _via_int64(factory: KernelFactory, output: DType) -> KernelFactory:
+    """Run a kernel on int64 copies of u32 operands, casting a u32 result back."""
+    def build(node: Node):
+        fn = factory(node)
+        back = output is DType.U32
+
+        def run(*tensors):
+            widened = [t.to(torch.int64) if t.dtype == torch.uint32 else t for t in tensors]
+            result = fn(*widened)
+            return result.to(torch.uint32) if back else result
+        return run
+    return build
+
+
+# Fused kernels.
+def _rms_norm(node: Node):
+    params = node.op.params
+    width = (node.shape.dims[-1],)
+    if params.has_gain:
+        return lambda x, gain: F.rms_norm(x, width, gain, params.eps)
+    return lambda x: F.rms_norm(x, width, None, params.eps)
+
+
+def _layer_norm(node: Node):
+    params, width = node.op.params, (node.shape.dims[-1],)
+    return lambda x, gain, bias: F.layer_norm(x, width, gain, bias, params.eps)
+
+
+def _rope(node: Node):
+    def rope(x, cos, sin):
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-second, first), dim=-1) * sin
+    return rope
+
+
+def _fused_linear(node: Node):
+    if node.op.params.has_bias:
+        return F.linear
+    return lambda x, w: F.linear(x, w)
+
+
+def _flash_attn(node: Node):
+    params: FlashAttn = node.op.params
+    scale, causal, softcap = params.softmax_scale, params.causal, params.softcap
+
+    def visible(q, k):
+        # Bottom-right aligned causal mask (queries are the last Sq positions), True = attend;
+        # SDPA's is_causal is top-left aligned, so the mask is passed explicitly when Sq != Sk.
+        sq, sk = q.shape[-2], k.shape[-2]
+        rows = torch.arange(sq, device=q.device).unsqueeze(-1) + (sk - sq)
+        return torch.arange(sk, device=q.device) <= rows
+
+    if softcap is None:
+        def attend(q, k, v):
+            if not causal:
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+            if q.shape[-2] == k.shape[-2]:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                      enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(q, k), scale=scale,
+                                                  enable_gqa=True)
+        return attend
+
+    def attend_softcapped(q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if causal:
+            scores = scores.masked_fill(~visible(q, k), float("-inf"))
+        return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype)
+    return attend_softcapped
+
+
+_FUSED: dict[FusedOps, tuple[KernelFactory, frozenset[str], Callable[[DType], Iterable[tuple[DType, ...]]]]] = {
+    FusedOps.SOFTMAX_LAST_DIM: (_fixed(lambda x: torch.softmax(x, -1)), frozenset(),
+                                lambda d: [(d, d)]),
+    FusedOps.RMS_NORM: (_rms_norm, frozenset({"gain", "no_gain"}), lambda d: [(d, d), (d, d, d)]),
+    FusedOps.LAYER_NORM: (_layer_norm, frozenset(), lambda d: [(d, d, d, d)]),
+    FusedOps.ROPE: (_rope, frozenset({"rotate_half"}), lambda d: [(d, d, d, d)]),
+    FusedOps.FUSED_LINEAR: (_fused_linear, frozenset({"bias"}), lambda d: [(d, d, d), (d, d, d, d)]),
+    FusedOps.SILU_MUL: (_fixed(lambda gate, up: F.silu(gate) * up), frozenset(),
+                        lambda d: [(d, d, d)]),
+    FusedOps.FLASH_ATTN: (_flash_attn, frozenset({"causal", "gqa", "softcap", "symbolic_k_len"}),
+                          lambda d: [(d, d, d, d)]),
+}
+"""The fused ops with a real torch kernel. Not here on purpose: PAGED_ATTN, RESIDUAL_ADD_RMS_NORM."""
+
+
+def torch_table(backend: BackendId = BackendId.CPU) -> KernelBindingTable:
+    """Bind the torch kernels for ``backend`` (``cpu`` or ``cuda``)."""
+    table = KernelBindingTable()
+    source = f"torch.{backend.value}"
+    for kind, factory in _prim_factories().items():
+        for signature in _prim_signatures(kind):
+            bound = _via_int64(factory, signature[-1]) if DType.U32 in signature else factory
+            table.bind(kind, signature, backend, KernelEntry(bound, kernel_source=source))
+    for fused_id, (factory, caps, signatures) in _FUSED.items():
+        for dtype in FLOAT_DTYPES:
+            for signature in signatures(dtype):
+                table.bind(fused_id, signature, backend, KernelEntry(
+                    factory, caps, Precision.RECIPE_TOLERANCE, kernel_source=source))
+    return table
+
+
+def fused_with_torch_kernel() -> frozenset[FusedOps]:
+    return frozenset(_FUSED)
+

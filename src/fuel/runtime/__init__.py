@@ -1,0 +1,15 @@
+"""The runtime: executor (here), KV cache, weights, generation, route picker.
+
+Imports stay light: nothing here imports torch at module level; kernels and tensors are
+imported inside the functions that run them.
+"""
+
+from fuel.runtime.executor import (
+    ExecutorError, FeedMismatch, MissingFeed, MissingWeight, NotExecutable, Program,
+    compile_program, execute,
+)
+
+__all__ = [
+    "ExecutorError", "FeedMismatch", "MissingFeed", "MissingWeight", "NotExecutable", "Program",
+    "compile_program", "execute",
+]
