@@ -7,6 +7,8 @@ Public API:
 - :class:`DeviceSpec`, :class:`PeakClass`, :func:`load_devices`, :func:`device`,
   :func:`device_names`, :func:`probe_cpu_local` — device specs (data + the ``cpu-local`` probe).
 - :func:`size_class` (and the per-family helpers) — the shared size bucketing.
+- :func:`estimate`, :func:`size_class_of`, :func:`judge_op_name`, :class:`Unestimated` — Layer 1
+  for a tensor-graph node.
 - :class:`JudgeOracle`, :class:`JudgeStore`, :class:`StoredMeasurement`,
   :func:`profile_kernel`, :class:`Measurement` — the Judge.
 
@@ -21,6 +23,7 @@ from fuel.cost.devices import (
     device_names,
     load_devices,
 )
+from fuel.cost.estimate import Unestimated, estimate, judge_op_name, size_class_of
 from fuel.cost.fingerprint import device_fingerprint, library_versions
 from fuel.cost.judge import JudgeOracle
 from fuel.cost.probe import probe_cpu_local
@@ -70,7 +73,11 @@ __all__ = [
     "StoredMeasurement",
     "UnknownDeviceError",
     "Unpriced",
+    "Unestimated",
     "composite_ns",
+    "estimate",
+    "judge_op_name",
+    "size_class_of",
     "device",
     "device_fingerprint",
     "device_names",
