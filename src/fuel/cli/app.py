@@ -24,6 +24,7 @@ app = typer.Typer(
 # Command modules register themselves on `app` when imported. One line per module.
 from fuel.cli import models as _models  # noqa: E402,F401
 from fuel.cli import circuit as _circuit  # noqa: E402,F401
+from fuel.cli import circuit_show as _circuit_show  # noqa: E402,F401
 from fuel.cli import plan as _plan  # noqa: E402,F401
 from fuel.cli import devices as _devices  # noqa: E402,F401
 from fuel.cli import judge as _judge  # noqa: E402,F401
