@@ -178,6 +178,8 @@ def test_a_variant_without_its_param_names_the_slot(tiny_circuit):
     ("mixtral-8x7b", 1 + 32 * 17 + 3 + 21, 1 + 32 * 18 + 3 + 22),
     # Qwen3-MoE: attn 11/11, moe 8/9.
     ("qwen3-30b-a3b", 1 + 48 * 19 + 3 + 23, 1 + 48 * 20 + 3 + 24),
+    # Qwen1.5-MoE: attn with bias 9/9, moe with the shared expert 12 nodes / 13 edges.
+    ("qwen1.5-moe-a2.7b-chat", 1 + 24 * 21 + 3 + 25, 1 + 24 * 22 + 3 + 26),
 ])
 def test_zoo_node_and_edge_counts(name, nodes, edges):
     circuit = zoo.load(name)

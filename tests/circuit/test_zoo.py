@@ -38,8 +38,9 @@ def test_parameter_estimate_matches_published_count(name, published):
 
 
 # Published totals quoted to one decimal: Mixtral 46.7B (Mistral's release notes),
-# Qwen3-30B-A3B 30.5B (its model card).
-@pytest.mark.parametrize("name,billions", [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5)])
+# Qwen3-30B-A3B 30.5B and Qwen1.5-MoE-A2.7B 14.3B (their model cards).
+@pytest.mark.parametrize("name,billions", [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5),
+                                           ("qwen1.5-moe-a2.7b-chat", 14.3)])
 def test_moe_parameter_estimate_matches_published_total(name, billions):
     assert round(zoo.parameter_count(zoo.shape(name)) / 1e9, 1) == billions
 
