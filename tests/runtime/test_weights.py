@@ -311,3 +311,18 @@ def test_smollm2_weights_have_the_checkpoint_names_and_shapes(smollm2_weights):
     assert smollm2_weights["lm_head.weight"] is smollm2_weights["model.embed_tokens.weight"]
     assert smollm2_weights.nbytes() == 134_515_008 * 4
     assert not any(name.startswith(".") for name in os.listdir(smollm2_weights.source.folder.parent))
+
+
+def test_smollm2_config_is_accepted_by_the_llama_config_map_like_the_zoo_entry(smollm2_weights):
+    """The circuit stage instantiates from this config: same arch, layers and dims as the zoo's
+    published SmolLM2-135M; only the weight format differs (the cache stores float32)."""
+    from fuel.circuit.config_map import shape_from_config
+
+    zoo = json.loads((Path(__file__).parents[2] / "src/fuel/data/zoo/smollm2-135m.json").read_text())
+    ours = shape_from_config(smollm2_weights.config, "gguf")
+    published = shape_from_config(zoo, "zoo")
+    assert (ours.arch, ours.layers, ours.layer_kinds, ours.dims) == (
+        published.arch, published.layers, published.layer_kinds, published.dims,
+    )
+    assert ours.params == published.params
+    assert ours.weight_format.kind.value == "f32"

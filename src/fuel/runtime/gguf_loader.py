@@ -268,7 +268,7 @@ def hf_config(model: GgufModel) -> dict[str, Any]:
         num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         rms_norm_eps=model.required_float("attention.layer_norm_rms_epsilon"),
         rope_scaling=_rope_scaling(meta, arch, path),
-        rope_theta=_float32_shortest(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=_rope_theta(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         # A GGUF of a tied model carries no separate output matrix.
         tie_word_embeddings="output.weight" not in model.tensor_names(),
         torch_dtype="float32",
@@ -284,6 +284,14 @@ def hf_config(model: GgufModel) -> dict[str, Any]:
             f"partial rotary ({rope_dims} of {head_dim} head dims) has no LlamaConfig spelling",
         )
     return dict(sorted(config.items()))
+
+
+def _rope_theta(value: Any) -> int | float:
+    """An integral base is written as an integer (``100000``), as SmolLM2's published config
+    writes it, so plans built from the GGUF and from the published config carry the same
+    ``rope_theta`` text."""
+    theta = _float32_shortest(value)
+    return int(theta) if theta.is_integer() else theta
 
 
 def _optional_int(meta: Mapping[str, Any], key: str) -> int | None:

