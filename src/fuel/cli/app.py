@@ -10,6 +10,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fuel.errors import FuelError
 
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, standalone_mode=False)
     except FuelError as error:
-        err_console.print(f"[bold red]error:[/] {error}", markup=True)
+        # Escaped: messages name keys like `rule[id].field`, which rich would read as markup.
+        err_console.print(f"[bold red]error:[/] {escape(str(error))}", markup=True)
         return 2
     except typer.Exit as done:
         return done.exit_code
