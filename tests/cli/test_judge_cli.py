@@ -63,3 +63,16 @@ def test_clear_empties_the_store(tmp_path, capsys):
     seed(store, op="exp")
     assert main(["judge", "clear", "--yes", "--store", str(store)]) == 0
     assert "cleared 2 measurement(s)" in capsys.readouterr().out
+
+
+def test_profile_measures_the_chosen_families_into_the_store(tmp_path, capsys):
+    store = tmp_path / "j.sqlite"
+    assert main(["judge", "profile", "smollm2-135m", "--ops", "add", "--threads", "1", "--store", str(store)]) == 0
+    assert "measured 3 kernel(s)" in capsys.readouterr().out
+    with JudgeStore.open(store) as judge:
+        assert {r.op for r in judge.rows()} == {"add"}
+
+
+def test_profile_refuses_an_unknown_family(tmp_path, capsys):
+    assert main(["judge", "profile", "--ops", "teleport", "--store", str(tmp_path / "j.sqlite")]) == 2
+    assert "teleport" in capsys.readouterr().err

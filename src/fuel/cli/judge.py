@@ -102,3 +102,56 @@ def clear(
     with JudgeStore.open(path, create=False) as judge:
         removed = judge.clear()
     typer.echo(f"cleared {removed} measurement(s) from {path}")
+
+
+@judge_app.command("profile")
+def profile(
+    model: str = typer.Argument("smollm2-135m", help="Zoo model whose dims set the kernel sizes."),
+    ops: str | None = typer.Option(None, "--ops", help="Comma-separated families to measure (default: all)."),
+    dtype: str = typer.Option("f32", "--dtype", help="Element type of the measured kernels."),
+    threads: int | None = typer.Option(None, "--threads", help="Pin torch's CPU thread count while measuring."),
+    store: Path | None = typer.Option(None, "--store", help=_STORE_HELP),
+) -> None:
+    """Measure the CPU kernels a model's plans use (at its dims and serving row counts) and
+    store the latencies for the Judge."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fuel.circuit import zoo
+    from fuel.cost import JudgeStore
+    from fuel.cost.campaign import Measured, run_campaign
+    from fuel.cost.workloads import ModelDims, families, workloads
+    from fuel.errors import InputError
+    from fuel.graph import DType
+
+    try:
+        element = DType(dtype)
+    except ValueError:
+        raise InputError("--dtype", None, f"unknown dtype {dtype!r}") from None
+    wanted = families() if ops is None else [name.strip() for name in ops.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(families()))
+    if unknown:
+        raise InputError("--ops", None, f"unknown family {unknown[0]!r}; known: {', '.join(families())}")
+    dims = ModelDims.from_config(zoo.config(model))
+    items = [w for w in workloads(dims, element) if w.family in wanted]
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    console = Console()
+    skipped: list[str] = []
+    with JudgeStore.open(_store_path(store)) as judge, Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task(f"profiling {model}", total=len(items))
+
+        def done(result) -> None:
+            if not isinstance(result, Measured):
+                skipped.append(f"{result.workload.family} {result.workload.label}: {result.reason}")
+            progress.update(task, advance=1, description=f"{result.workload.family} {result.workload.label}")
+
+        results = run_campaign(items, judge, on_done=done)
+    measured = sum(isinstance(r, Measured) for r in results)
+    console.print(f"measured {measured} kernel(s) for {model} ({dims.hidden} hidden, {dtype}) into {_store_path(store)}")
+    for line in skipped:
+        console.print(f"skipped {line}")

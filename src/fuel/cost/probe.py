@@ -35,9 +35,11 @@ CACHE_VERSION = 1
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 
 
-def cache_path() -> Path:
+def cache_path(threads: int | None = None) -> Path:
+    """The cache file for this machine and libraries (and an explicit torch thread count)."""
     key = short_hash(device_fingerprint("cpu") + "|" + library_versions())
-    return cache_dir() / "devices" / f"cpu-local-{key}.json"
+    suffix = "" if threads is None else f"-t{threads}"
+    return cache_dir() / "devices" / f"cpu-local-{key}{suffix}.json"
 
 
 def _physical_memory_bytes() -> int:
@@ -63,9 +65,13 @@ def _gemm_flops_per_s(torch, dtype) -> float:
     return best
 
 
-def measure_cpu_local() -> dict[str, float | int | str]:
-    """Run the probes; return the raw numbers (see the module docstring)."""
+def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str]:
+    """Run the probes (with ``threads`` torch threads, else torch's default); return the raw
+    numbers (see the module docstring)."""
     import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     numbers: dict[str, float | int | str] = {}
     numbers["fp32_flops"] = _gemm_flops_per_s(torch, torch.float32)
@@ -150,13 +156,17 @@ def _read_cache(path: Path, fingerprint: str) -> dict | None:
         return None
 
 
-def cpu_local_spec(*, reprobe: bool = False) -> DeviceSpec:
-    """The ``cpu-local`` spec: from the cache, or probed now (and cached) when needed."""
+def cpu_local_spec(*, reprobe: bool = False, threads: int | None = None) -> DeviceSpec:
+    """The ``cpu-local`` spec: from the cache, or probed now (and cached) when needed.
+
+    ``threads`` pins torch's thread count for the probe (and keys its own cache entry): a
+    measurement campaign run with N threads must be predicted with a probe taken with N.
+    """
     fingerprint = device_fingerprint("cpu") + "|" + library_versions()
-    path = cache_path()
+    path = cache_path(threads)
     numbers = None if reprobe else _read_cache(path, fingerprint)
     if numbers is None:
-        numbers = measure_cpu_local()
+        numbers = measure_cpu_local() if threads is None else measure_cpu_local(threads)
         path.parent.mkdir(parents=True, exist_ok=True)
         document = {
             "format": CACHE_FORMAT,
@@ -170,6 +180,6 @@ def cpu_local_spec(*, reprobe: bool = False) -> DeviceSpec:
     return _spec_from(numbers, fingerprint)
 
 
-def probe_cpu_local(*, reprobe: bool = True) -> DeviceSpec:
+def probe_cpu_local(*, reprobe: bool = True, threads: int | None = None) -> DeviceSpec:
     """Measure this machine now (by default ignoring the cache) and cache the result."""
-    return cpu_local_spec(reprobe=reprobe)
+    return cpu_local_spec(reprobe=reprobe, threads=threads)
