@@ -188,3 +188,62 @@ def dense(layers: int = 2, draft: bool = False, qk_norm: bool = False, arch: str
 
 def moe(layers: int = 2) -> Circuit:
     return dense(layers, arch="moe_gqa", moe_layers=frozenset(range(layers)))
+
+
+# ---------------------------------------------------------------- rule files from dicts
+
+ALL_MODES = ["draft", "decode", "multi_seq", "verify", "verify_batch", "prefill"]
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(value)
+
+
+def rule(id: str, pattern: list[dict] | str, **fields) -> dict:
+    """A valid rule dict: ``pattern`` may be a bare op name; every field can be overridden and
+    a field set to ``None`` is dropped."""
+    if isinstance(pattern, str):
+        pattern = [{"op": pattern}]
+    out = {"id": id, "pattern": pattern,
+           "kernels": [{"module": "k", "func": id.replace(".", "_")}],
+           "repeat": "once", "emitter": id, "rows": [1, 1024], "modes": ALL_MODES,
+           "numerics": "reference", "priority": 0, "cite": f"test rule {id}"}
+    out.update(fields)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def rules_toml(*rules: dict, schema: int = 1) -> str:
+    parts = [f"schema = {schema}\n"]
+    for r in rules:
+        parts.append("\n[[rule]]\n")
+        runs = r.get("run", [])
+        for key, value in r.items():
+            if key != "run":
+                parts.append(f"{key} = {_toml_value(value)}\n")
+        for select in runs:
+            parts.append("[[rule.run]]\n")
+            for key, value in select.items():
+                parts.append(f"{key} = {_toml_value(value)}\n")
+    return "".join(parts)
+
+
+def make_rules(*rules: dict):
+    from fuel.circuit.rules import parse_rules
+
+    return parse_rules(rules_toml(*rules), "test.toml")
+
+
+def singles(ops=None, **fields) -> list[dict]:
+    """Single-op default rules for every op of the closed set (or ``ops``)."""
+    kinds = ops or [k.value for k in OpKind]
+    return [rule(f"single.{op}", op, **fields) for op in kinds]
