@@ -54,12 +54,13 @@ class Precision(Enum):
 RECIPE_TOLERANCE: dict[DType, tuple[float, float]] = {
     DType.F64: (1e-9, 1e-9),
     DType.F32: (2e-5, 2e-5),
-    DType.F16: (1e-2, 1e-2),
-    DType.BF16: (6e-2, 6e-2),
+    DType.F16: (1e-3, 2e-3),
+    DType.BF16: (1e-2, 1.6e-2),
 }
-"""``(atol, rtol)`` per dtype for ``RECIPE_TOLERANCE`` kernels. The recipe computes every step
-in the storage dtype, while fused kernels accumulate in f32; the 16-bit bounds cover a few
-roundings of bf16's 8-bit mantissa (2^-8 ≈ 0.0039 relative) compounded through norm/softmax."""
+"""``(atol, rtol)`` per dtype for ``RECIPE_TOLERANCE`` kernels. The recipe rounds every step to
+the storage dtype while fused kernels accumulate in f32, so the 16-bit bounds allow two ulps of
+relative error (bf16: 2^-6 ≈ 0.016, f16: 2^-9 ≈ 0.002) plus a small absolute floor near zero.
+Measured on the CPU kernels: bf16 at most 2 ulps (0.031 at magnitude 6, layer_norm)."""
 
 
 @dataclass(frozen=True, slots=True)
