@@ -62,7 +62,7 @@ def test_kv_cache_format_sets_kv_traffic():
     c = dense_circuit(kv_heads=2, head_dim=16)
     fp8 = parse("fp8/tensor")
     w = node_work(c, _node(c, "l0.attn.kv_write"), Workload.decode(4, 50, fp8))
-    assert w.kv_bytes == fp8.bytes(2 * 4, 2 * 16)
+    assert w.kv_bytes == 4 * 2 * 2 * 16  # one byte per element; the tensor scale is not per token
 
 
 def test_kv_bytes_per_token_is_two_times_layers_kv_heads_head_dim_element_size():

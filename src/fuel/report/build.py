@@ -19,7 +19,7 @@ document.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -185,6 +185,12 @@ def build_report(model: str, circuit: Circuit, device: DeviceInfo, choice: RuleC
                  policy: Policy, options: ReportOptions = ReportOptions()) -> dict[str, Any]:
     """The report document for ``model`` (its ``circuit``) on ``device``."""
     rates = device.rates
+    notes = [*NOTES, f"Prefill runs in chunks of {options.prefill_chunk} rows."]
+    if circuit.shape is not None and circuit.shape.weight_format is None:
+        # A config without `torch_dtype` does not say how its checkpoint stores weights; price
+        # them as bf16 and say so, rather than refuse a report or guess silently.
+        circuit = replace(circuit, shape=replace(circuit.shape, weight_format=BF16))
+        notes.append("The config states no torch_dtype: weights are assumed stored as bf16.")
     planner = _Planner(circuit, choice, policy)
     cases = _cases(circuit, planner, rates, options)
     floor_bytes = decode_weight_bytes(circuit)
@@ -215,8 +221,7 @@ def build_report(model: str, circuit: Circuit, device: DeviceInfo, choice: RuleC
                      "reason": choice.reason},
         "assumptions": {"context": options.context, "kv_format": options.kv_format.name(),
                         "usable_memory_fraction": USABLE_FRACTION,
-                        "notes": [*NOTES, f"Prefill runs in chunks of {options.prefill_chunk} "
-                                  "rows."]},
+                        "notes": notes},
         "weight_floor": {"weight_bytes": floor_bytes, "ns": floor_ns,
                          "tokens_per_s": 1e9 / floor_ns if floor_ns > 0 else None},
         "roofline": [_case_doc(c) for c in cases if c.steps],
@@ -325,9 +330,11 @@ def _plan_doc(circuit: Circuit, plan: FusionPlan) -> dict[str, Any]:
         first = circuit.nodes[g.nodes[0]]
         locals_ = tuple(circuit.nodes[n].local for n in g.nodes)
         key = (circuit.blocks[first.block].name, locals_, g.rule)
+        # A per_run group launches what its runs' selectors name, per run of the table.
+        kernels = [str(k) for k in g.kernels] or [
+            f"{r.run.text()}: {launch.text()}" for r in g.runs for launch in r.launches]
         site = sites.setdefault(key, {"block": key[0], "locals": list(locals_),
-                                      "kernels": [str(k) for k in g.kernels], "rule": g.rule,
-                                      "count": 0})
+                                      "kernels": kernels, "rule": g.rule, "count": 0})
         site["count"] += 1
     states = [s for s in plan.edge_states if s is not None]
     return {"mode": plan.mode.value, "rows": plan.rows,

@@ -207,7 +207,13 @@ def kv_bytes_per_token(circuit: Circuit, kv_format: Format) -> int:
     if layers == 0:
         return 0
     width = _dim(circuit, None, "kv_heads") * _dim(circuit, None, "head_dim")
-    return layers * kv_format.bytes(2, width)
+    return layers * kv_token_bytes(kv_format, width)
+
+
+def kv_token_bytes(kv_format: Format, width: int) -> int:
+    """K and V of one token of one layer (``width`` = kv_heads x head_dim). Scales that grow
+    with tokens count; a per-tensor scale is a constant of the cache, not of a token."""
+    return kv_format.bytes(2, width) - kv_format.bytes(0, width)
 
 
 def _dim(circuit: Circuit, node: Node | None, name: str) -> int:
@@ -312,7 +318,7 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
                             ComputeClass.VECTOR)
         case OpKind.PAGED_ATTENTION:
             heads, head_dim = _dim(circuit, node, "q_heads"), _dim(circuit, node, "head_dim")
-            per_token = workload.kv_format.bytes(2, _dim(circuit, node, "kv_heads") * head_dim)
+            per_token = kv_token_bytes(workload.kv_format, _dim(circuit, node, "kv_heads") * head_dim)
             window = _window(node)
             positions = sum(_windowed_positions(s, window) for s in workload.sequences)
             kv = sum(sequence_passes(s) * min(s.context, window or s.context) * per_token
@@ -321,7 +327,7 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             return NodeWork(flops, 0.0, io_bytes(), float(kv), ComputeClass.TENSOR_BF16)
         case OpKind.KV_WRITE:
             width = _dim(circuit, node, "kv_heads") * _dim(circuit, node, "head_dim")
-            written = workload.kv_format.bytes(2 * rows, width)
+            written = rows * kv_token_bytes(workload.kv_format, width)
             return NodeWork(0.0, 0.0, io_bytes(), float(written), ComputeClass.VECTOR)
         case OpKind.RMS_NORM | OpKind.FINAL_NORM | OpKind.QK_NORM:
             fmt = _weight_format(circuit, node)

@@ -1,0 +1,88 @@
+"""`fuel plan`: text, --json against the schema, --html written atomically, --serve failing
+loudly, and one clear line for an unknown device or model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from fuel.cli.app import main
+
+SCHEMA = json.loads((Path(__file__).parents[2] / "src" / "fuel" / "report" /
+                     "plan_report.schema.json").read_text())
+
+
+def test_json_output_validates_against_the_schema(capsys):
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["model"]["name"] == "smollm2-135m"
+    assert doc["device"]["name"] == "h100-sxm"
+    assert doc["assumptions"]["context"] == 4096
+
+
+def test_context_and_tables_reach_the_report(capsys):
+    assert main(["plan", "smollm2-135m", "--device", "l4", "--context", "1024",
+                 "--table", "3x2 2x1!", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["assumptions"]["context"] == 1024
+    assert [c["tier"] for c in doc["coverage"] if c["mode"] == "verify_batch"] == ["3x2 2x1!"]
+
+
+def test_fp8_kv_cache_halves_kv_bytes_per_token(capsys):
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--json"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)["memory_fit"]["kv_bytes_per_token"]
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--set", "kv_cache_dtype=fp8",
+                 "--json"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)["memory_fit"]
+    assert fp8["kv_format"] == "fp8/tensor"
+    # SmolLM2-135M: 30 layers x K,V x 3 kv heads x 64 head dim; a per-tensor scale is not
+    # charged per token.
+    assert (bf16, fp8["kv_bytes_per_token"]) == (30 * 2 * 3 * 64 * 2, 30 * 2 * 3 * 64)
+
+
+def test_text_report_names_the_sections(capsys):
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("weight floor", "roofline per case", "memory fit", "fused plans",
+                   "coverage matrix", "rule set: cuda"):
+        assert needle in out
+
+
+def test_html_is_written_whole_and_no_temp_file_is_left(tmp_path, capsys):
+    target = tmp_path / "report.html"
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--json",
+                 "--html", str(target)]) == 0
+    capsys.readouterr()
+    text = target.read_text()
+    assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
+    assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
+
+
+def test_serve_fails_loudly_naming_the_unplanned_tiers(capsys):
+    assert main(["plan", "smollm2-135m", "--device", "mi300x", "--serve", "decode"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot serve" in err and "decode has no plan at 1" in err
+    assert "no rule set applies" in err
+
+
+def test_serve_passes_when_every_tier_plans(capsys):
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--serve", "decode",
+                 "--serve", "multi_seq", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["serve"] == {"decode": [], "multi_seq": []}
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["plan", "smollm2-135m", "--device", "h900"], "h100-sxm"),
+    (["plan", "no-such-model", "--device", "h100-sxm"], "smollm2-135m"),
+    (["plan", "smollm2-135m", "--serve", "sprint"], "verify_batch"),
+])
+def test_unknown_names_are_one_line_listing_the_valid_ones(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "Traceback" not in err
