@@ -4,16 +4,14 @@ loudly, and one clear line for an unknown device or model."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
 
 from fuel.cli.app import main
+from fuel.report import load_schema
 
-SCHEMA = json.loads((Path(__file__).parents[2] / "src" / "fuel" / "report" /
-                     "plan_report.schema.json").read_text())
-
+SCHEMA = load_schema()
 
 def test_json_output_validates_against_the_schema(capsys):
     assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--json"]) == 0
@@ -23,14 +21,12 @@ def test_json_output_validates_against_the_schema(capsys):
     assert doc["device"]["name"] == "h100-sxm"
     assert doc["assumptions"]["context"] == 4096
 
-
 def test_context_and_tables_reach_the_report(capsys):
     assert main(["plan", "smollm2-135m", "--device", "l4", "--context", "1024",
                  "--table", "3x2 2x1!", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["assumptions"]["context"] == 1024
     assert [c["tier"] for c in doc["coverage"] if c["mode"] == "verify_batch"] == ["3x2 2x1!"]
-
 
 def test_fp8_kv_cache_halves_kv_bytes_per_token(capsys):
     assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--json"]) == 0
@@ -43,14 +39,12 @@ def test_fp8_kv_cache_halves_kv_bytes_per_token(capsys):
     # charged per token.
     assert (bf16, fp8["kv_bytes_per_token"]) == (30 * 2 * 3 * 64 * 2, 30 * 2 * 3 * 64)
 
-
 def test_text_report_names_the_sections(capsys):
     assert main(["plan", "smollm2-135m", "--device", "h100-sxm"]) == 0
     out = capsys.readouterr().out
     for needle in ("weight floor", "roofline per case", "memory fit", "fused plans",
                    "coverage matrix", "rule set: cuda"):
         assert needle in out
-
 
 def test_html_is_written_whole_and_no_temp_file_is_left(tmp_path, capsys):
     target = tmp_path / "report.html"
@@ -61,20 +55,17 @@ def test_html_is_written_whole_and_no_temp_file_is_left(tmp_path, capsys):
     assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
 
-
 def test_serve_fails_loudly_naming_the_unplanned_tiers(capsys):
     assert main(["plan", "smollm2-135m", "--device", "mi300x", "--serve", "decode"]) == 2
     err = capsys.readouterr().err
     assert "cannot serve" in err and "decode has no plan at 1" in err
     assert "no rule set applies" in err
 
-
 def test_serve_passes_when_every_tier_plans(capsys):
     assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--serve", "decode",
                  "--serve", "multi_seq", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["serve"] == {"decode": [], "multi_seq": []}
-
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["plan", "smollm2-135m", "--device", "h900"], "h100-sxm"),

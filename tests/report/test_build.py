@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -13,17 +12,16 @@ import pytest
 from fuel.circuit import zoo
 from fuel.circuit.policy import build_policy
 from fuel.cost.devices import device
+from fuel.report import load_schema
 from fuel.report.build import (ReportOptions, build_report, device_info, kv_format_for,
                                rule_set_for)
 
-SCHEMA = json.loads((Path(__file__).parents[2] / "src" / "fuel" / "report" /
-                     "plan_report.schema.json").read_text())
+SCHEMA = load_schema()
 
 # NVIDIA H100 SXM memory bandwidth, 3,350 GB/s: the NVIDIA H100 datasheet as tabulated by
 # archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html ("GPU メモリ帯域幅 | 3,350 GB/sec").
 H100_SXM_BANDWIDTH = 3.35e12
 DEVICES = ("h100-sxm", "l4", "b200", "mi300x")
-
 
 @cache
 def report(model: str, device_name: str) -> dict:
@@ -33,10 +31,8 @@ def report(model: str, device_name: str) -> dict:
                         rule_set_for(spec.title, spec.kind.value), policy,
                         ReportOptions(kv_format=kv_format_for(policy)))
 
-
 def _llama_8b_config() -> dict:
     return json.loads((zoo.ZOO_DIR / "llama-3.1-8b.json").read_text())
-
 
 def test_llama_8b_h100_weight_floor_follows_from_datasheet_bandwidth_and_weight_bytes():
     cfg = _llama_8b_config()
@@ -55,7 +51,6 @@ def test_llama_8b_h100_weight_floor_follows_from_datasheet_bandwidth_and_weight_
     assert doc["weight_floor"]["ns"] == pytest.approx(weight_bytes / H100_SXM_BANDWIDTH * 1e9)
     assert doc["weight_floor"]["ns"] == pytest.approx(4.48e6, rel=0.01)  # ~4.5 ms
 
-
 def test_llama_8b_h100_decode_step_is_weights_plus_kv_over_bandwidth():
     cfg = _llama_8b_config()
     layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
@@ -73,7 +68,6 @@ def test_llama_8b_h100_decode_step_is_weights_plus_kv_over_bandwidth():
         case["ceiling_ns"] + case["launches"] * device("h100-sxm").launch_overhead_ns)
     assert case["tokens_per_s_ceiling"] == pytest.approx(1e9 / case["ceiling_ns"])
 
-
 def test_decode_at_higher_concurrency_reads_weights_once_and_more_kv():
     doc = report("llama-3.1-8b", "h100-sxm")
     by = {c["name"]: c for c in doc["roofline"]}
@@ -83,7 +77,6 @@ def test_decode_at_higher_concurrency_reads_weights_once_and_more_kv():
     assert by["decode C=128"]["kv_bytes"] > 100 * by["decode C=1"]["kv_bytes"]
     assert by["decode C=128"]["tokens_per_s_ceiling"] > 10 * by["decode C=1"]["tokens_per_s_ceiling"]
 
-
 def test_memory_fit_of_llama_8b_on_h100():
     fit = report("llama-3.1-8b", "h100-sxm")["memory_fit"]
     assert fit["usable_bytes"] == int(fit["device_bytes"] * 0.9)
@@ -92,7 +85,6 @@ def test_memory_fit_of_llama_8b_on_h100():
     big = cell[(32768, 128)]
     assert not big["fits"]
     assert big["shortfall_bytes"] == fit["weight_bytes"] + 131072 * 32768 * 128 - fit["usable_bytes"]
-
 
 @pytest.mark.parametrize("device_name", DEVICES)
 @pytest.mark.parametrize("model", zoo.names())
@@ -105,14 +97,12 @@ def test_every_zoo_model_reports_on_every_device_and_validates(model, device_nam
                for c in doc["roofline"])
     json.dumps(doc, allow_nan=False)
 
-
 def test_nvidia_devices_use_the_cuda_rule_set_and_plan_every_tier_of_llama():
     doc = report("llama-3.1-8b", "h100-sxm")
     assert doc["rule_set"]["name"] == "cuda"
     assert doc["gaps"] == []
     assert all(c["planned"] for c in doc["coverage"])
     assert all(p["novel_groups"] == 0 for p in doc["plans"])
-
 
 def test_a_device_with_no_rule_set_says_so_and_every_op_is_a_gap():
     doc = report("llama-3.1-8b", "mi300x")
@@ -128,7 +118,6 @@ def test_a_device_with_no_rule_set_says_so_and_every_op_is_a_gap():
     assert doc["roofline"][0]["launches"] == len(zoo.load("llama-3.1-8b").nodes) - sum(
         1 for b in zoo.load("llama-3.1-8b").blocks if b.section.value == "draft"
         for _ in range(b.first, b.end))
-
 
 def test_the_same_inputs_give_the_same_document():
     spec = device("l4")
