@@ -129,3 +129,47 @@ def test_fill_slots_replaces_named_slots_and_keeps_the_rest():
     assert isinstance(filled, PatternOp)
     assert filled.attr_dict() == {"value": Slot("b")}
     assert filled.operands[0].attr_dict() == {"value": 2.0}
+
+
+# Property: whatever elementwise region is emitted, matching it at its root recovers the binds.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_leaves = st.sampled_from([Bind(0), Bind(1)])
+
+
+def _extend(children):
+    unary = st.builds(lambda kind, x: op(kind, x), st.sampled_from([OpKind.EXP, OpKind.TANH, OpKind.NEG]),
+                      children)
+    scalar = st.builds(lambda x, v: op(OpKind.MUL_SCALAR, x, value=v), children,
+                       st.floats(-4, 4, allow_nan=False))
+    binary = st.builds(lambda kind, a, b: op(kind, a, b),
+                       st.sampled_from([OpKind.ADD, OpKind.SUB, OpKind.MUL]), children, children)
+    return unary | scalar | binary
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.recursive(_leaves, _extend, max_leaves=8))
+def test_emit_then_match_recovers_the_binds(region):
+    g = Graph()
+    x, y = g.input("x", [3], DType.F32), g.input("y", [3], DType.F32)
+    root = emit(g, region, [x, y])
+    if isinstance(region, Bind):
+        assert root == (x, y)[region.index]
+        return
+    found = match_region(region, g, root)
+    used = sorted({n.index for n in _walk_binds(region)})
+    if used == list(range(len(used))):
+        assert isinstance(found, RegionMatch) and found.binds == (x, y)[:len(used)]
+    else:  # only Bind(1): a region must bind 0..n-1, so the match says why it declines
+        assert isinstance(found, NoMatch) and "gaps" in found.reason
+
+
+def _walk_binds(region):
+    stack = [region]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Bind):
+            yield node
+        else:
+            stack.extend(node.operands)
