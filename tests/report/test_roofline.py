@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuel.circuit.format import BF16, Format, parse
+from fuel.circuit.format import BF16, parse
 from fuel.report.roofline import (ComputeClass, DeviceRates, MissingRate, PlannedGroup, PlanView,
                                   SequenceRows, Workload, decode_weight_bytes,
                                   estimate_step, expected_distinct_experts, kv_bytes_per_token,

@@ -28,7 +28,7 @@ from fuel.circuit.fuser import AvailableKernels, FuseError, FusionPlan, Policy
 from fuel.circuit.ir import Circuit
 from fuel.circuit.rules import Mode, RepeatKind, RuleSet, load_rules
 from fuel.circuit.runs import RowTable
-from fuel.report.coverage import (DEFAULT_TABLES, CoverageCell, Tier, coverage_matrix,
+from fuel.report.coverage import (DEFAULT_TABLES, CoverageCell, coverage_matrix,
                                   covering_fuse, gaps_of, is_novel, tiers, unserved)
 from fuel.report.jit import gap_request
 from fuel.report.memory import USABLE_FRACTION, memory_fit, stored_weight_bytes
@@ -49,8 +49,9 @@ NOTES = (
     "runs in chunks, each chunk attending the prompt so far (causal).",
     "Per-row loops (per_row, chunk<n>) re-read weights per pass; MoE layers read "
     "E*(1-(1-k/E)^T) distinct experts for T tokens (uniform routing).",
-    "Matmul-like ops run at the tensor peak of their input dtype, element-wise ops at the fp32 "
-    "vector peak. Available kernels are the offline view (every kernel the rule set names).",
+    "Matmul-like ops run at the tensor peak of their input dtype (fp4 inputs on a chip with no "
+    "fp4 peak at its fp8, else bf16, peak), element-wise ops at the fp32 vector peak. Available "
+    "kernels are the offline view (every kernel the rule set names).",
     "Memory fit: usable = device memory x 0.9; need = stored weights + KV bytes per token x "
     "context x C.",
 )

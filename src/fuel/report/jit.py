@@ -2,8 +2,10 @@
 
 Decides, for a circuit node no rule covers, what request the carrier
 (``fuel.jit.jit_request_for_unplaceable_fused``, SPEC §E) would make for it, or why it would
-decline. Until the carrier and lowering land, the request is described here from the circuit
-node, following the carrier's rules exactly where the circuit has the facts:
+decline. The carrier reads a *graph* node; until lowering (``lower(plan, circuit, ...)``) turns
+a gap's node into one, the request is described here from the circuit node, following the
+carrier's rules exactly where the circuit has the facts (replace the body of :func:`gap_request`
+with lower-then-carry when lowering lands; its return shape is the report schema's):
 
 - only an op with a fused op (and so a recipe) in the graph registry gets a request; any other op
   declines ("no recipe");
@@ -23,7 +25,8 @@ from typing import Any
 from fuel.circuit.format import Format, FormatKind
 from fuel.circuit.ir import Circuit, OpKind
 
-SOURCE = "circuit-seam: described from the circuit node (fuel.jit carrier not wired into reports)"
+SOURCE = ("circuit-seam: described from the circuit node; fuel.jit's carrier needs the lowered "
+          "graph node, and lowering plans to graphs has not landed")
 
 # Circuit op -> the graph registry's fused op (fuel.graph.registry.FusedOps) with that recipe.
 FUSED_OP_OF: dict[OpKind, str] = {

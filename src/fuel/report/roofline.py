@@ -410,11 +410,6 @@ class GroupCost:
     ceiling_ns: float
     node_ns: tuple[float, ...] = field(default=())
 
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity, FLOPs per byte (0 for a group that moves nothing)."""
-        return self.flops / self.bytes if self.bytes else 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class StepEstimate:
