@@ -1,0 +1,313 @@
+"""The engine: runtime state (paged KV cache, plans, programs) and one step of any mode.
+
+Decides how a step of a mode is fed and run. A step is a list of ``(sequence, tokens)``: each
+sequence appends its tokens to its KV cache (the block tables hand out the slots), the step's
+rows are the tokens in batch order, and the mode's plan — fused once per (mode, rows) or row
+table — is lowered and compiled once per (plan digest, step geometry) and then reused.
+
+Modes and their rows:
+
+- ``prefill``: one sequence, a prompt chunk (rows = chunk length; chunks are powers of two so a
+  handful of programs serve every prompt);
+- ``decode``: one sequence, one row;
+- ``multi_seq``: several sequences, one row each;
+- ``verify``: one sequence, k rows (the pending token and k-1 drafted ones);
+- ``verify_batch``: several sequences with k_i rows each, described by a row table;
+- ``draft``: the circuit's draft section (a layer-0 early-exit head over the model's own
+  weights) with its *own* caches and block tables, any rows (it catches up in one step).
+
+Invariants:
+- The main and draft sections keep separate block tables and cache tensors; a sequence exists
+  in the draft tables only once a draft step has run for it.
+- A step that fails before running (out of blocks, a sequence too long) leaves every table as
+  it was; :meth:`Engine.rollback` truncates a sequence (speculative decoding's rejected rows).
+- The block-table width of a step is the smallest power of two of blocks covering its longest
+  sequence (capped at the engine's ``max_context``), so attention reads what the context needs
+  and there are at most ``log2`` programs per (mode, rows).
+- Caches are laid out ``[num_blocks, block_size, kv_heads, head_dim]`` — the layout
+  ``FusedOps.PAGED_ATTN`` and ``kv_cache_write`` define (``fuel.graph.registry``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fuel.circuit.config_map import shape_from_config
+from fuel.circuit.fuser import AvailableKernels, FusionPlan, Policy, fuse, fuse_table
+from fuel.circuit.ir import Circuit, Section
+from fuel.circuit.rules import Mode, RuleSet, load_builtin_rules
+from fuel.circuit.runs import RowTable
+from fuel.errors import FuelError
+from fuel.runtime.kv_cache import BlockTables
+from fuel.runtime.lower import (
+    POSITIONS, SLOTS, TOKENS, StepShape, block_table_input, context_lens_input,
+    expected_weight_shapes, lower,
+)
+from fuel.runtime.program import StepProgram, WeightStore, build_program
+
+if TYPE_CHECKING:
+    import torch
+
+    from fuel.runtime.weights import Weights
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class EngineError(FuelError):
+    """A step the engine cannot run as asked."""
+
+
+class BadStep(EngineError):
+    def __init__(self, mode: Mode, detail: str):
+        self.mode, self.detail = mode, detail
+        super().__init__(f"{mode.value} step: {detail}")
+
+
+class ContextTooLong(EngineError):
+    """A sequence would exceed the engine's context (the prompt plus what is generated)."""
+
+    def __init__(self, sequence: Hashable, length: int, max_context: int):
+        self.sequence, self.length, self.max_context = sequence, length, max_context
+        super().__init__(
+            f"sequence {sequence!r} needs {length} positions, but the KV cache holds at most "
+            f"{max_context} per sequence; shorten the prompt, lower --max-new-tokens or raise "
+            f"--max-context")
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One step's output: logits ``[rows, vocab]`` and the greedy token of each row."""
+
+    logits: torch.Tensor
+    tokens: list[int]
+    program: StepProgram
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What the engine ran: steps and rows by mode, launches (from the plans) and kernel calls
+    (from the programs), and every plan digest used."""
+
+    steps: Counter = field(default_factory=Counter)
+    rows: Counter = field(default_factory=Counter)
+    launches: Counter = field(default_factory=Counter)
+    dispatched: Counter = field(default_factory=Counter)
+    digests: dict[str, str] = field(default_factory=dict)
+
+    def record(self, mode: Mode, program: StepProgram) -> None:
+        self.steps[mode.value] += 1
+        self.rows[mode.value] += program.step.shape.rows
+        self.launches[mode.value] += program.launches
+        self.dispatched[mode.value] += program.dispatched
+        self.digests.setdefault(program.digest, f"{mode.value} rows={program.step.plan.rows}")
+
+    def reset(self) -> None:
+        for counter in (self.steps, self.rows, self.launches, self.dispatched):
+            counter.clear()
+        self.digests.clear()
+
+
+def runs_of(lengths: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Maximal runs ``(k, n)`` of equal lengths, in order."""
+    runs: list[list[int]] = []
+    for k in lengths:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return tuple((k, n) for k, n in runs)
+
+
+class Engine:
+    """A model ready to step: weights, circuit, rules, caches, plans and programs."""
+
+    def __init__(self, weights: Weights, *, circuit: Circuit | None = None,
+                 rules: RuleSet | None = None, policy: Policy | None = None,
+                 max_context: int = 2048, max_sequences: int = 4,
+                 block_size: int = DEFAULT_BLOCK_SIZE, table: Any = None,
+                 optimize_options: Any = None):
+        import torch
+
+        from fuel.circuit import zoo
+        from fuel.circuit.policy import build_policy
+        from fuel.runtime.weights import check_weights
+
+        if circuit is None:
+            circuit = zoo.circuit_for(shape_from_config(dict(weights.config), str(weights.source.path)))
+        check_weights(weights, expected_weight_shapes(circuit))
+        self.weights = weights
+        self.circuit = circuit
+        self.rules = rules or load_builtin_rules("cpu")
+        self.policy = policy or build_policy()
+        self.available = AvailableKernels.all_named_by(self.rules)
+        if table is None:
+            from fuel.kernels import cpu_table
+
+            table = cpu_table()
+        self.table = table
+        self.optimize_options = optimize_options
+        self.dtype = weights.dtype.torch
+        self.store = WeightStore(weights, self.dtype)
+        self.block_size = block_size
+        self.max_context = max_context
+        self.max_blocks = math.ceil(max_context / block_size)
+        self.num_blocks = self.max_blocks * max_sequences
+        self.tables = {section: BlockTables(self.num_blocks, block_size) for section in Section}
+        self._caches: dict[str, torch.Tensor] = {}
+        self._plans: dict[tuple[Mode, int, str], FusionPlan] = {}
+        self._programs: dict[tuple[str, StepShape], StepProgram] = {}
+        self.stats = EngineStats()
+        self._torch = torch
+
+    # -- plans and programs ------------------------------------------------------------------
+
+    def plan(self, mode: Mode, rows: int, table: RowTable | None = None) -> FusionPlan:
+        """The fused plan for ``mode`` at ``rows`` (a row table for verify_batch), made once."""
+        key = (mode, rows, table.text() if table is not None else "")
+        if key not in self._plans:
+            if mode is Mode.VERIFY_BATCH:
+                assert table is not None
+                self._plans[key] = fuse_table(self.circuit, self.rules, self.available, self.policy, table)
+            else:
+                self._plans[key] = fuse(self.circuit, self.rules, self.available, self.policy, mode, rows)
+        return self._plans[key]
+
+    def program(self, plan: FusionPlan, shape: StepShape) -> StepProgram:
+        """The compiled program of ``plan`` at ``shape``, built once (keyed by the digest)."""
+        key = (plan.digest, shape)
+        if key not in self._programs:
+            step = lower(plan, self.circuit, self.store, shape, dtype=_graph_dtype(self.dtype))
+            program = build_program(step, self.store, self.table, self.optimize_options)
+            for cache in step.caches:
+                for name in (cache.k_input, cache.v_input):
+                    self._cache(name, step.graph.node(_input_node(step, name)).shape.dims)
+            self._programs[key] = program
+        return self._programs[key]
+
+    def programs(self) -> tuple[StepProgram, ...]:
+        return tuple(self._programs.values())
+
+    def _cache(self, name: str, dims: tuple[int, ...]) -> torch.Tensor:
+        if name not in self._caches:
+            self._caches[name] = self._torch.zeros(dims, dtype=self.dtype)
+        return self._caches[name]
+
+    # -- sequences ---------------------------------------------------------------------------
+
+    def add_sequence(self, sequence: Hashable) -> None:
+        self.tables[Section.MAIN].add(sequence)
+
+    def length(self, sequence: Hashable, section: Section = Section.MAIN) -> int:
+        tables = self.tables[section]
+        return tables.length(sequence) if sequence in tables else 0
+
+    def rollback(self, sequence: Hashable, length: int, section: Section = Section.MAIN) -> None:
+        self.tables[section].rollback(sequence, length)
+
+    def free(self, sequence: Hashable) -> None:
+        for tables in self.tables.values():
+            if sequence in tables:
+                tables.free(sequence)
+
+    def reset(self) -> None:
+        """Free every sequence (caches keep their storage; stale rows are never read)."""
+        for tables in self.tables.values():
+            for sequence in tables.sequences():
+                tables.free(sequence)
+
+    # -- a step ------------------------------------------------------------------------------
+
+    def step(self, mode: Mode, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> StepResult:
+        """Append each sequence's tokens and run one step of ``mode`` over all of them."""
+        if not batch or any(not tokens for _, tokens in batch):
+            raise BadStep(mode, "every sequence of a step feeds at least one token")
+        lengths = [len(tokens) for _, tokens in batch]
+        if mode in (Mode.DECODE, Mode.MULTI_SEQ) and any(k != 1 for k in lengths):
+            raise BadStep(mode, f"one row per sequence, got {lengths}")
+        if mode in (Mode.DECODE, Mode.PREFILL, Mode.VERIFY) and len(batch) != 1:
+            raise BadStep(mode, f"one sequence, got {len(batch)}")
+        if mode is not Mode.VERIFY_BATCH and len(set(lengths)) != 1:
+            raise BadStep(mode, f"every sequence feeds the same rows, got {lengths}")
+        section = Section.DRAFT if mode is Mode.DRAFT else Section.MAIN
+        tables = self.tables[section]
+        for sequence, tokens in batch:
+            if section is Section.DRAFT and sequence not in tables:
+                tables.add(sequence)
+            length = self.length(sequence, section) + len(tokens)
+            if length > self.max_context:
+                raise ContextTooLong(sequence, length, self.max_context)
+        starts = [tables.length(sequence) for sequence, _ in batch]
+        slots: list[int] = []
+        try:
+            for sequence, tokens in batch:
+                slots += tables.append(sequence, len(tokens))
+        except Exception:
+            for (sequence, _), start in zip(batch, starts):
+                if tables.length(sequence) > start:
+                    tables.rollback(sequence, start)
+            raise
+        try:
+            return self._run(mode, section, batch, lengths, starts, slots)
+        except Exception:
+            for (sequence, _), start in zip(batch, starts):
+                tables.rollback(sequence, start)
+            raise
+
+    def _run(self, mode: Mode, section: Section, batch, lengths, starts, slots) -> StepResult:
+        torch = self._torch
+        tables = self.tables[section]
+        runs = runs_of(lengths)
+        row_table = RowTable.from_seqs(lengths) if mode is Mode.VERIFY_BATCH else None
+        if row_table is not None:
+            runs = tuple((r.k, r.n) for r in row_table.runs)
+        rows = sum(lengths)
+        longest = max(start + k for start, k in zip(starts, lengths))
+        width = min(self.max_blocks, 1 << max(0, math.ceil(math.log2(math.ceil(longest / self.block_size)))))
+        shape = StepShape(runs, self.block_size, self.num_blocks, width, self.max_context)
+        program = self.program(self.plan(mode, rows, row_table), shape)
+
+        positions = [p for start, k in zip(starts, lengths) for p in range(start, start + k)]
+        feeds: dict[str, Any] = {
+            TOKENS: torch.tensor([t for _, tokens in batch for t in tokens], dtype=torch.int64),
+            POSITIONS: torch.tensor(positions, dtype=torch.int64),
+            SLOTS: torch.tensor(slots, dtype=torch.int64),
+        }
+        sequences = [sequence for sequence, _ in batch]
+        first = 0
+        for run, (_, n) in enumerate(runs):
+            members = sequences[first:first + n]
+            feeds[block_table_input(run)] = torch.from_numpy(tables.block_table(members, width))
+            feeds[context_lens_input(run)] = torch.from_numpy(tables.context_lengths(members))
+            first += n
+        for cache in program.step.caches:
+            feeds[cache.k_input] = self._caches[cache.k_input]
+            feeds[cache.v_input] = self._caches[cache.v_input]
+        logits, tokens = program.run(feeds)
+        self.stats.record(mode, program)
+        return StepResult(logits, tokens.reshape(-1).tolist(), program)
+
+
+def _graph_dtype(dtype: Any):
+    from fuel.graph.dtype import DType
+
+    return DType.BF16 if str(dtype) == "torch.bfloat16" else DType.F32
+
+
+def _input_node(step, name: str) -> int:
+    from fuel.graph.ir import Input
+
+    for node_id in step.graph:
+        op = step.graph.node(node_id).op
+        if isinstance(op, Input) and op.name == name:
+            return node_id
+    raise KeyError(name)
+
+
+__all__ = [
+    "BadStep", "ContextTooLong", "DEFAULT_BLOCK_SIZE", "Engine", "EngineError", "EngineStats",
+    "StepResult", "runs_of",
+]

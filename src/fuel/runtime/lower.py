@@ -1,0 +1,692 @@
+"""Lowering: a fusion plan's groups become tensor-graph nodes bound to checkpoint weights.
+
+Decides, for one step of one mode, what graph computes the plan: each group of the plan is
+built by the *construction* its rule's kernel names, over the circuit edges the group reads,
+and writes the circuit edges it produces. The graph's leaves are the checkpoint's tensors
+(``Weight(binding path)``) and the step's inputs (``Input``: token ids, positions, KV slots,
+per-run block tables and context lengths, the per-layer K/V caches).
+
+The construction table (kernel ``fuel.kernels.cpu::<func>`` → what the graph gets):
+
+=========================  ==================================================================
+kernel func                graph construction
+=========================  ==================================================================
+embed                      ``index_select(Weight(embed), tokens)``
+rms_norm, final_norm       ``Fused RMS_NORM(x, Weight(gain))``
+qk_norm                    per head: reshape ``[rows, H, D]`` → ``Fused RMS_NORM`` → reshape
+residual_add               ``add(x, y)``
+residual_add_rms_norm      one ``Fused RESIDUAL_ADD_RMS_NORM(x, y, gain)``; ``select 0`` is the
+                           normed value, ``select 1`` the new stream (the kept output)
+linear, lm_head            ``Fused FUSED_LINEAR(x, W[, bias])``; several weight bindings (the
+                           gate_up projection) are one weight concatenated once at bind time
+qkv_projection             one ``Fused FUSED_LINEAR`` over ``[Wq; Wk; Wv]`` (concatenated once),
+                           then column slices for q, k, v
+silu_mul                   column slices gate/up of ``gate_up_out`` → ``Fused SILU_MUL``
+rope                       ``Fused ROPE`` per q and k (``[rows, heads, D]``) with cos/sin rows
+                           gathered by position from tables built once per rope params
+kv_write                   ``kv_cache_write(cache, rows, slots)`` for K and V (the written caches
+                           are what this block's attention reads)
+paged_attention            per row-table run: ``Fused PAGED_ATTN(q [n, Hq, k, D], K, V,
+                           block_table u32 [n, M], context_lens u32 [n])``
+argmax                     ``argmax(logits, dim=-1, keepdim=True)`` (i64)
+rope_kv_write              rope, then kv_write
+silu_mul_linear            silu_mul, then linear
+final_norm_lm_head_argmax  final_norm, then lm_head, then argmax
+=========================  ==================================================================
+
+Invariants:
+- Strict: a group whose kernel has no construction here (another module's kernel, or an op fuel
+  cannot run yet: MoE routing, act_quant, gelu) raises :class:`NoConstruction` naming the rule
+  and the kernel; a group whose members are not the ops its construction expects raises
+  :class:`ConstructionMismatch`. Nothing is silently skipped or substituted.
+- Fused nodes are emitted as fused nodes even where the backend has no kernel for them
+  (``paged_attn``, ``residual_add_rms_norm`` on the CPU); giving them their decomposed arm 0 and
+  picking arms is ``fuel.optimize.optimize_graph``'s job, not lowering's.
+- Weights bind by the circuit's binding paths. A weight built from several tensors (a
+  concatenation, a RoPE table) is a :class:`DerivedWeight` named after its parts; the program
+  builds it once and every program of the engine shares it.
+- The graph depends only on (plan, circuit, weight shapes and dtype, step geometry): the same
+  inputs give the same graph, node for node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from fuel.circuit.fuser import FusionPlan, Group
+from fuel.circuit.ir import Circuit, Node as CircuitNode, OpKind as CircuitOp, Section
+from fuel.circuit.rules import Mode
+from fuel.errors import FuelError
+from fuel.graph.dtype import DType
+from fuel.graph.ir import Graph, NodeId
+from fuel.graph.ops import OpKind
+from fuel.graph.registry import FusedOpParams, FusedOps
+
+CPU_KERNEL_MODULE = "fuel.kernels.cpu"
+"""The module every CPU rule's kernels name (``fuel/data/rules/cpu.toml``)."""
+
+
+class LowerError(FuelError):
+    """Base of lowering's errors."""
+
+
+class NoConstruction(LowerError):
+    """A rule names a kernel that lowering has no graph construction for."""
+
+    def __init__(self, rule: str, kernel: str):
+        self.rule, self.kernel = rule, kernel
+        super().__init__(f"rule `{rule}` names kernel `{kernel}`, which has no graph "
+                         f"construction in fuel.runtime.lower (the CPU backend cannot run it)")
+
+
+class ConstructionMismatch(LowerError):
+    """A group's member ops are not those its kernel's construction expects."""
+
+    def __init__(self, rule: str, kernel: str, expected: str, got: str):
+        self.rule, self.kernel, self.expected, self.got = rule, kernel, expected, got
+        super().__init__(f"rule `{rule}` (kernel `{kernel}`) groups [{got}], but the construction "
+                         f"expects [{expected}]")
+
+
+class UnsupportedParam(LowerError):
+    """A node param lowering cannot honour (a RoPE scaling type fuel does not implement)."""
+
+    def __init__(self, node: str, key: str, value: str):
+        self.node, self.key, self.value = node, key, value
+        super().__init__(f"node `{node}`: {key} = {value!r} is not supported by the CPU runtime")
+
+
+class StepShapeError(LowerError):
+    def __init__(self, detail: str):
+        super().__init__(f"step shape: {detail}")
+
+
+# -------------------------------------------------------------------------------- step shape
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """The geometry of one step: ``runs`` of ``(k, n)`` (n sequences with k rows each, in batch
+    order), the cache's block size and block count, ``max_blocks`` block-table entries per
+    sequence (so ``max_blocks * block_size`` is the longest context this step may attend: the
+    engine buckets it so attention work follows the context), and ``positions``, the length of
+    the RoPE tables (the engine's longest sequence)."""
+
+    runs: tuple[tuple[int, int], ...]
+    block_size: int
+    num_blocks: int
+    max_blocks: int
+    positions: int
+
+    def __post_init__(self) -> None:
+        if not self.runs or any(k < 1 or n < 1 for k, n in self.runs):
+            raise StepShapeError(f"runs {self.runs} need at least one run of k >= 1, n >= 1")
+        if min(self.block_size, self.num_blocks, self.max_blocks, self.positions) < 1:
+            raise StepShapeError("block size, block count, table width and positions must be positive")
+
+    @property
+    def rows(self) -> int:
+        return sum(k * n for k, n in self.runs)
+
+    @property
+    def sequences(self) -> int:
+        return sum(n for _, n in self.runs)
+
+
+
+# -------------------------------------------------------------------------- derived weights
+
+
+class DerivedKind(Enum):
+    CONCAT = "concat"
+    """Checkpoint tensors concatenated along dim 0 (output features)."""
+    ROPE_COS = "rope_cos"
+    ROPE_SIN = "rope_sin"
+    """``[positions, head_dim]`` rotate-half RoPE tables (``cat(freqs, freqs)``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedWeight:
+    """A weight the graph reads that the checkpoint does not hold as one tensor."""
+
+    name: str
+    kind: DerivedKind
+    sources: tuple[str, ...] = ()
+    theta: float = 0.0
+    head_dim: int = 0
+    positions: int = 0
+
+
+def concat_name(sources: Sequence[str]) -> str:
+    return "+".join(sources)
+
+
+# ------------------------------------------------------------------------------- the result
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRef:
+    """One attention block's K/V cache inputs: ``section`` says which block tables index it."""
+
+    key: str
+    section: Section
+    k_input: str
+    v_input: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepGraph:
+    """A lowered step: the graph, its roots (``logits`` ``[rows, vocab]`` and ``tokens``
+    ``[rows, 1]`` i64), the inputs it needs, and the weights it binds."""
+
+    graph: Graph
+    logits: NodeId
+    tokens: NodeId
+    plan: FusionPlan
+    shape: StepShape
+    dtype: DType
+    inputs: tuple[str, ...]
+    weights: tuple[str, ...]
+    derived: tuple[DerivedWeight, ...]
+    caches: tuple[CacheRef, ...]
+    group_nodes: tuple[tuple[NodeId, ...], ...] = field(default=())
+
+    @property
+    def roots(self) -> tuple[NodeId, NodeId]:
+        return (self.logits, self.tokens)
+
+
+# Input names (one spelling, shared with the engine that feeds them).
+TOKENS = "tokens"
+POSITIONS = "positions"
+SLOTS = "slots"
+
+
+def block_table_input(run: int) -> str:
+    return f"block_table.r{run}"
+
+
+def context_lens_input(run: int) -> str:
+    return f"context_lens.r{run}"
+
+
+# ------------------------------------------------------------------------------ constructions
+
+
+Construction = Callable[["_Lowerer", Group, str], None]
+
+
+def _expect(ops: Sequence[CircuitOp]) -> Callable[[Construction], Construction]:
+    """Declare the member ops a construction serves (checked before it runs)."""
+    def wrap(build: Construction) -> Construction:
+        build.expected = tuple(ops)  # type: ignore[attr-defined]
+        return build
+    return wrap
+
+
+def _members(low: _Lowerer, group: Group) -> list[CircuitNode]:
+    return [low.circuit.nodes[n] for n in group.nodes]
+
+
+@_expect([CircuitOp.EMBED])
+def _embed(low: _Lowerer, group: Group, kernel: str) -> None:
+    (node,) = _members(low, group)
+    table = low.weight(node.bindings[0])
+    low.write(node, 0, low.graph.prim(OpKind.INDEX_SELECT, table, low.input_tokens(), dim=0))
+
+
+def _rms(low: _Lowerer, node: CircuitNode) -> None:
+    x = low.read(node, 0)
+    gain = low.weight(node.bindings[0])
+    params = FusedOpParams.RmsNorm(eps=low.float_param(node, "eps"))
+    low.write(node, 0, low.graph.fused(FusedOps.RMS_NORM, params, x, gain))
+
+
+@_expect([CircuitOp.RMS_NORM])
+def _rms_norm(low: _Lowerer, group: Group, kernel: str) -> None:
+    _rms(low, _members(low, group)[0])
+
+
+@_expect([CircuitOp.FINAL_NORM])
+def _final_norm(low: _Lowerer, group: Group, kernel: str) -> None:
+    _rms(low, _members(low, group)[0])
+
+
+@_expect([CircuitOp.QK_NORM])
+def _qk_norm(low: _Lowerer, group: Group, kernel: str) -> None:
+    (node,) = _members(low, group)
+    heads, head_dim = low.int_param(node, "heads"), low.int_param(node, "head_dim")
+    g = low.graph
+    x = g.prim(OpKind.RESHAPE, low.read(node, 0), shape=(low.rows, heads, head_dim))
+    params = FusedOpParams.RmsNorm(eps=low.float_param(node, "eps"))
+    normed = g.fused(FusedOps.RMS_NORM, params, x, low.weight(node.bindings[0]))
+    low.write(node, 0, g.prim(OpKind.RESHAPE, normed, shape=(low.rows, heads * head_dim)))
+
+
+@_expect([CircuitOp.RESIDUAL_ADD])
+def _residual_add(low: _Lowerer, group: Group, kernel: str) -> None:
+    (node,) = _members(low, group)
+    low.write(node, 0, low.graph.prim(OpKind.ADD, low.read(node, 0), low.read(node, 1)))
+
+
+@_expect([CircuitOp.RESIDUAL_ADD, CircuitOp.RMS_NORM])
+def _residual_add_rms_norm(low: _Lowerer, group: Group, kernel: str) -> None:
+    add, norm = _members(low, group)
+    g = low.graph
+    params = FusedOpParams.ResidualAddRmsNorm(eps=low.float_param(norm, "eps"))
+    both = g.fused(FusedOps.RESIDUAL_ADD_RMS_NORM, params, low.read(add, 0), low.read(add, 1),
+                   low.weight(norm.bindings[0]))
+    low.write(norm, 0, g.prim(OpKind.SELECT, both, dim=0, index=0))
+    low.write(add, 0, g.prim(OpKind.SELECT, both, dim=0, index=1))
+
+
+def _split_bindings(node: CircuitNode) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A linear node's weight bindings and bias bindings (bias paths end in ``.bias``)."""
+    weights = tuple(b for b in node.bindings if not b.endswith(".bias"))
+    biases = tuple(b for b in node.bindings if b.endswith(".bias"))
+    return weights, biases
+
+
+def _linear_node(low: _Lowerer, node: CircuitNode) -> None:
+    weights, biases = _split_bindings(node)
+    w = low.weight_concat(weights)
+    operands = [low.read(node, 0), w]
+    if biases:
+        operands.append(low.weight_concat(biases))
+    params = FusedOpParams.FusedLinear(has_bias=bool(biases))
+    low.write(node, 0, low.graph.fused(FusedOps.FUSED_LINEAR, params, *operands))
+
+
+@_expect([CircuitOp.LINEAR])
+def _linear(low: _Lowerer, group: Group, kernel: str) -> None:
+    _linear_node(low, _members(low, group)[0])
+
+
+@_expect([CircuitOp.LM_HEAD])
+def _lm_head(low: _Lowerer, group: Group, kernel: str) -> None:
+    _linear_node(low, _members(low, group)[0])
+
+
+@_expect([CircuitOp.LINEAR, CircuitOp.LINEAR, CircuitOp.LINEAR])
+def _qkv_projection(low: _Lowerer, group: Group, kernel: str) -> None:
+    members = _members(low, group)
+    source = members[0].inputs[0]
+    if any(m.inputs[0] != source for m in members):
+        raise ConstructionMismatch(group.rule, kernel, "linears reading one input",
+                                   ", ".join(m.id for m in members))
+    split = [_split_bindings(m) for m in members]
+    has_bias = all(b for _, b in split)
+    if any(b for _, b in split) and not has_bias:
+        raise ConstructionMismatch(group.rule, kernel, "q, k, v all with or all without bias",
+                                   ", ".join(m.id for m in members))
+    w = low.weight_concat(tuple(name for ws, _ in split for name in ws))
+    operands = [low.read(members[0], 0), w]
+    if has_bias:
+        operands.append(low.weight_concat(tuple(name for _, bs in split for name in bs)))
+    g = low.graph
+    both = g.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(has_bias=has_bias), *operands)
+    start = 0
+    for member in members:
+        width = low.circuit.edges[member.outputs[0]].dim_value
+        low.write(member, 0, g.prim(OpKind.SLICE, both, dim=1, start=start, end=start + width))
+        start += width
+
+
+def _silu_mul_node(low: _Lowerer, node: CircuitNode) -> None:
+    g = low.graph
+    gate_up = low.read(node, 0)
+    width = low.circuit.edges[node.outputs[0]].dim_value
+    gate = g.prim(OpKind.SLICE, gate_up, dim=1, start=0, end=width)
+    up = g.prim(OpKind.SLICE, gate_up, dim=1, start=width, end=2 * width)
+    low.write(node, 0, g.fused(FusedOps.SILU_MUL, FusedOpParams.SiluMul(), gate, up))
+
+
+@_expect([CircuitOp.SILU_MUL])
+def _silu_mul(low: _Lowerer, group: Group, kernel: str) -> None:
+    _silu_mul_node(low, _members(low, group)[0])
+
+
+def _rope_node(low: _Lowerer, node: CircuitNode) -> None:
+    head_dim = low.int_param(node, "head_dim")
+    rope_type = node.param("rope_type", "default") or "default"
+    if rope_type != "default" or (node.param("rope_scaling") or ""):
+        raise UnsupportedParam(node.id, "rope_type", f"{rope_type} {node.param('rope_scaling')}".strip())
+    cos, sin = low.rope_tables(low.float_param(node, "theta"), head_dim)
+    g = low.graph
+    for index, heads_key in enumerate(("q_heads", "kv_heads")):
+        heads = low.int_param(node, heads_key)
+        x = g.prim(OpKind.RESHAPE, low.read(node, index), shape=(low.rows, heads, head_dim))
+        rotated = g.fused(FusedOps.ROPE, FusedOpParams.Rope(), x, cos, sin)
+        low.write(node, index, g.prim(OpKind.RESHAPE, rotated, shape=(low.rows, heads * head_dim)))
+
+
+@_expect([CircuitOp.ROPE])
+def _rope(low: _Lowerer, group: Group, kernel: str) -> None:
+    _rope_node(low, _members(low, group)[0])
+
+
+def _kv_write_node(low: _Lowerer, node: CircuitNode) -> None:
+    kv_heads, head_dim = low.int_param(node, "kv_heads"), low.int_param(node, "head_dim")
+    cache = low.cache_for(node)
+    g = low.graph
+    written = []
+    for index, name in ((0, cache.k_input), (1, cache.v_input)):
+        rows = g.prim(OpKind.RESHAPE, low.read(node, index), shape=(low.rows, kv_heads, head_dim))
+        stored = low.input_cache(name, kv_heads, head_dim)
+        written.append(g.prim(OpKind.KV_CACHE_WRITE, stored, rows, low.input_slots()))
+    low.written[node.block] = (written[0], written[1])
+
+
+@_expect([CircuitOp.KV_WRITE])
+def _kv_write(low: _Lowerer, group: Group, kernel: str) -> None:
+    _kv_write_node(low, _members(low, group)[0])
+
+
+@_expect([CircuitOp.PAGED_ATTENTION])
+def _paged_attention(low: _Lowerer, group: Group, kernel: str) -> None:
+    (node,) = _members(low, group)
+    if node.block not in low.written:
+        raise ConstructionMismatch(group.rule, kernel, "a kv_write earlier in the block",
+                                   f"{node.id} with no cache write before it")
+    k_cache, v_cache = low.written[node.block]
+    q_heads, head_dim = low.int_param(node, "q_heads"), low.int_param(node, "head_dim")
+    params = FusedOpParams.PagedAttn(softmax_scale=low.float_param(node, "softmax_scale"),
+                                     block_size=low.shape.block_size)
+    g = low.graph
+    q_all = low.read(node, 0)
+    outputs, start = [], 0
+    for run, (k, n) in enumerate(low.shape.runs):
+        q = q_all
+        if len(low.shape.runs) > 1:
+            q = g.prim(OpKind.SLICE, q_all, dim=0, start=start, end=start + k * n)
+        q = g.prim(OpKind.PERMUTE, g.prim(OpKind.RESHAPE, q, shape=(n, k, q_heads, head_dim)),
+                   dims=(0, 2, 1, 3))
+        attended = g.fused(FusedOps.PAGED_ATTN, params, q, k_cache, v_cache,
+                           low.input_block_table(run, n), low.input_context_lens(run, n))
+        back = g.prim(OpKind.PERMUTE, attended, dims=(0, 2, 1, 3))
+        outputs.append(g.prim(OpKind.RESHAPE, back, shape=(k * n, q_heads * head_dim)))
+        start += k * n
+    out = outputs[0] if len(outputs) == 1 else g.prim(OpKind.CONCAT, *outputs, dim=0)
+    low.write(node, 0, out)
+
+
+def _argmax_node(low: _Lowerer, node: CircuitNode) -> None:
+    low.write(node, 0, low.graph.prim(OpKind.ARGMAX, low.read(node, 0), dim=-1, keepdim=True))
+
+
+@_expect([CircuitOp.ARGMAX])
+def _argmax(low: _Lowerer, group: Group, kernel: str) -> None:
+    _argmax_node(low, _members(low, group)[0])
+
+
+@_expect([CircuitOp.ROPE, CircuitOp.KV_WRITE])
+def _rope_kv_write(low: _Lowerer, group: Group, kernel: str) -> None:
+    rope, write = _members(low, group)
+    _rope_node(low, rope)
+    _kv_write_node(low, write)
+
+
+@_expect([CircuitOp.SILU_MUL, CircuitOp.LINEAR])
+def _silu_mul_linear(low: _Lowerer, group: Group, kernel: str) -> None:
+    act, down = _members(low, group)
+    _silu_mul_node(low, act)
+    _linear_node(low, down)
+
+
+@_expect([CircuitOp.FINAL_NORM, CircuitOp.LM_HEAD, CircuitOp.ARGMAX])
+def _final_norm_lm_head_argmax(low: _Lowerer, group: Group, kernel: str) -> None:
+    norm, head, argmax = _members(low, group)
+    _rms(low, norm)
+    _linear_node(low, head)
+    _argmax_node(low, argmax)
+
+
+CONSTRUCTIONS: Mapping[str, Construction] = {
+    "embed": _embed,
+    "rms_norm": _rms_norm,
+    "final_norm": _final_norm,
+    "qk_norm": _qk_norm,
+    "residual_add": _residual_add,
+    "residual_add_rms_norm": _residual_add_rms_norm,
+    "linear": _linear,
+    "lm_head": _lm_head,
+    "qkv_projection": _qkv_projection,
+    "silu_mul": _silu_mul,
+    "rope": _rope,
+    "kv_write": _kv_write,
+    "paged_attention": _paged_attention,
+    "argmax": _argmax,
+    "rope_kv_write": _rope_kv_write,
+    "silu_mul_linear": _silu_mul_linear,
+    "final_norm_lm_head_argmax": _final_norm_lm_head_argmax,
+}
+"""``fuel.kernels.cpu::<func>`` → its graph construction (the table in the module docstring)."""
+
+
+def construction_for(group: Group) -> tuple[str, Construction]:
+    """The construction of a group's kernel; :class:`NoConstruction` when there is none."""
+    if len(group.kernels) != 1:
+        names = ", ".join(map(str, group.kernels)) or "(no kernel: a host step)"
+        raise NoConstruction(group.rule, names)
+    kernel = group.kernels[0]
+    build = CONSTRUCTIONS.get(kernel.func) if kernel.module == CPU_KERNEL_MODULE else None
+    if build is None:
+        raise NoConstruction(group.rule, str(kernel))
+    return str(kernel), build
+
+
+# ------------------------------------------------------------------------------- the lowerer
+
+
+_GRAPH_DTYPES = {"float32": DType.F32, "bfloat16": DType.BF16}
+
+
+class _Lowerer:
+    def __init__(self, circuit: Circuit, plan: FusionPlan, weight_shapes: Mapping[str, tuple[int, ...]],
+                 dtype: DType, shape: StepShape):
+        self.circuit, self.plan, self.dtype, self.shape = circuit, plan, dtype, shape
+        self.weight_shapes = weight_shapes
+        self.rows = shape.rows
+        self.graph = Graph()
+        self.edges: dict[int, NodeId] = {}
+        self.written: dict[int, tuple[NodeId, NodeId]] = {}
+        self._inputs: dict[str, NodeId] = {}
+        self._weights: dict[str, NodeId] = {}
+        self._derived: dict[str, DerivedWeight] = {}
+        self._rope: dict[tuple[float, int], tuple[NodeId, NodeId]] = {}
+        self._caches: dict[str, CacheRef] = {}
+
+    # Params are strings in the circuit; a malformed one is the circuit's error, named here.
+    def float_param(self, node: CircuitNode, key: str) -> float:
+        value = node.param(key)
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UnsupportedParam(node.id, key, str(value)) from None
+
+    def int_param(self, node: CircuitNode, key: str) -> int:
+        value = node.param(key)
+        try:
+            return int(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UnsupportedParam(node.id, key, str(value)) from None
+
+    # Edges.
+    def read(self, node: CircuitNode, index: int) -> NodeId:
+        return self.edges[node.inputs[index]]
+
+    def write(self, node: CircuitNode, index: int, value: NodeId) -> None:
+        self.edges[node.outputs[index]] = value
+
+    # Leaves.
+    def _input(self, name: str, dims: tuple[int, ...], dtype: DType) -> NodeId:
+        if name not in self._inputs:
+            self._inputs[name] = self.graph.input(name, dims, dtype)
+        return self._inputs[name]
+
+    def input_tokens(self) -> NodeId:
+        return self._input(TOKENS, (self.rows,), DType.I64)
+
+    def input_slots(self) -> NodeId:
+        return self._input(SLOTS, (self.rows,), DType.I64)
+
+    def input_block_table(self, run: int, n: int) -> NodeId:
+        return self._input(block_table_input(run), (n, self.shape.max_blocks), DType.U32)
+
+    def input_context_lens(self, run: int, n: int) -> NodeId:
+        return self._input(context_lens_input(run), (n,), DType.U32)
+
+    def input_cache(self, name: str, kv_heads: int, head_dim: int) -> NodeId:
+        dims = (self.shape.num_blocks, self.shape.block_size, kv_heads, head_dim)
+        return self._input(name, dims, self.dtype)
+
+    def cache_for(self, node: CircuitNode) -> CacheRef:
+        block = self.circuit.blocks[node.block]
+        key = f"l{block.layer}" if block.layer is not None else f"{block.section.value}.{block.name}"
+        if key not in self._caches:
+            self._caches[key] = CacheRef(key, block.section, f"kv.{key}.k", f"kv.{key}.v")
+        return self._caches[key]
+
+    def weight(self, name: str) -> NodeId:
+        if name not in self._weights:
+            self._weights[name] = self.graph.weight(name, self.weight_shapes[name], self.dtype)
+        return self._weights[name]
+
+    def weight_concat(self, sources: tuple[str, ...]) -> NodeId:
+        if len(sources) == 1:
+            return self.weight(sources[0])
+        name = concat_name(sources)
+        if name not in self._weights:
+            first = self.weight_shapes[sources[0]]
+            rows = sum(self.weight_shapes[s][0] for s in sources)
+            self._derived[name] = DerivedWeight(name, DerivedKind.CONCAT, sources)
+            self._weights[name] = self.graph.weight(name, (rows, *first[1:]), self.dtype)
+        return self._weights[name]
+
+    def rope_tables(self, theta: float, head_dim: int) -> tuple[NodeId, NodeId]:
+        """cos/sin rows for this step's positions, ``[rows, 1, head_dim]`` (one pair per rope
+        params, shared by every layer)."""
+        key = (theta, head_dim)
+        if key not in self._rope:
+            g, positions = self.graph, self._input(POSITIONS, (self.rows,), DType.I64)
+            pair = []
+            for kind in (DerivedKind.ROPE_COS, DerivedKind.ROPE_SIN):
+                name = f"rope.{kind.value[5:]}[theta={theta:g},dim={head_dim},positions={self.shape.positions}]"
+                self._derived[name] = DerivedWeight(name, kind, (), theta, head_dim, self.shape.positions)
+                table = self.graph.weight(name, (self.shape.positions, head_dim), self.dtype)
+                self._weights[name] = table
+                rows = g.prim(OpKind.INDEX_SELECT, table, positions, dim=0)
+                pair.append(g.prim(OpKind.UNSQUEEZE, rows, dim=1))
+            self._rope[key] = (pair[0], pair[1])
+        return self._rope[key]
+
+    def run(self) -> StepGraph:
+        group_nodes = []
+        for group in self.plan.groups:
+            kernel, build = construction_for(group)
+            expected = build.expected  # type: ignore[attr-defined]
+            got = tuple(self.circuit.nodes[n].op.kind for n in group.nodes)
+            if got != expected:
+                raise ConstructionMismatch(group.rule, kernel, ", ".join(o.value for o in expected),
+                                           ", ".join(o.value for o in got))
+            first = len(self.graph)
+            build(self, group, kernel)
+            group_nodes.append(tuple(range(first, len(self.graph))))
+        logits = tokens = None
+        for e, edge in enumerate(self.circuit.edges):
+            if edge.is_output and self.plan.edge_states[e] is not None and e in self.edges:
+                if edge.id.endswith("logits"):
+                    logits = self.edges[e]
+                elif edge.id.endswith("tokens"):
+                    tokens = self.edges[e]
+        if logits is None or tokens is None:
+            raise LowerError(f"the {self.plan.mode.value} plan produces no logits/tokens outputs")
+        return StepGraph(
+            graph=self.graph, logits=logits, tokens=tokens, plan=self.plan, shape=self.shape,
+            dtype=self.dtype, inputs=tuple(self._inputs),
+            weights=tuple(n for n in self._weights if n not in self._derived),
+            derived=tuple(self._derived.values()), caches=tuple(self._caches.values()),
+            group_nodes=tuple(group_nodes))
+
+
+def lower(plan: FusionPlan, circuit: Circuit, weights: Mapping[str, Any], shape: StepShape,
+          *, dtype: DType | None = None) -> StepGraph:
+    """Lower ``plan`` (of ``circuit``) for one step of geometry ``shape``.
+
+    ``weights`` maps binding paths to tensors (only shapes and dtype are read: the graph binds
+    by name). ``dtype`` defaults to the weights' dtype. Raises :class:`NoConstruction`,
+    :class:`ConstructionMismatch`, :class:`UnsupportedParam` or :class:`StepShapeError`.
+    """
+    if plan.rows != shape.rows:
+        raise StepShapeError(f"the {plan.mode.value} plan has {plan.rows} rows, the step {shape.rows}")
+    if plan.mode in (Mode.DECODE,) and shape.runs != ((1, 1),):
+        raise StepShapeError(f"decode runs one sequence one row, not {shape.runs}")
+    shapes = _ShapeView(weights)
+    if dtype is None:
+        dtype = _dtype_of(weights)
+    return _Lowerer(circuit, plan, shapes, dtype, shape).run()
+
+
+class _ShapeView(Mapping[str, tuple[int, ...]]):
+    """Weight shapes by name, read lazily from a mapping of tensors (or of shapes)."""
+
+    def __init__(self, weights: Mapping[str, Any]):
+        self._weights = weights
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        value = self._weights[name]
+        return tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+
+    def __iter__(self):
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+
+def _dtype_of(weights: Mapping[str, Any]) -> DType:
+    dtype = getattr(weights, "dtype", None)
+    if dtype is not None and hasattr(dtype, "value") and dtype.value in ("f32", "bf16"):
+        return DType(dtype.value)
+    for value in weights.values():
+        return _GRAPH_DTYPES.get(str(getattr(value, "dtype", "")).removeprefix("torch."), DType.F32)
+    return DType.F32
+
+
+def expected_weight_shapes(circuit: Circuit, section: Section | None = None) -> dict[str, tuple[int, ...]]:
+    """Every binding path the circuit reads (in ``section``, or all) and the shape it must have,
+    derived from the edges of the nodes that read it (``[out, in]`` for projections, ``[dim]``
+    for gains and biases, ``[vocab, hidden]`` for the embedding)."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for index, node in enumerate(circuit.nodes):
+        if section is not None and circuit.section_of_node(index) is not section:
+            continue
+        kind = node.op.kind
+        out = circuit.edges[node.outputs[0]].dim_value if node.outputs else None
+        if kind is CircuitOp.EMBED:
+            expected[node.bindings[0]] = (int(node.param("vocab") or 0), int(out or 0))
+        elif kind in (CircuitOp.RMS_NORM, CircuitOp.FINAL_NORM):
+            expected[node.bindings[0]] = (int(out or 0),)
+        elif kind is CircuitOp.QK_NORM:
+            expected[node.bindings[0]] = (int(node.param("head_dim") or 0),)
+        elif kind in (CircuitOp.LINEAR, CircuitOp.LM_HEAD):
+            width = circuit.edges[node.inputs[0]].dim_value
+            weights, biases = _split_bindings(node)
+            for name in weights:
+                expected[name] = (int(out or 0) // len(weights), width)
+            for name in biases:
+                expected[name] = (int(out or 0) // len(biases),)
+        elif node.bindings:
+            raise NoConstruction(f"binding check of {node.id}", node.op.name())
+    return expected
+
+
+__all__ = [
+    "CONSTRUCTIONS", "CPU_KERNEL_MODULE", "POSITIONS", "SLOTS", "TOKENS", "CacheRef",
+    "ConstructionMismatch", "DerivedKind", "DerivedWeight", "LowerError", "NoConstruction",
+    "StepGraph", "StepShape", "StepShapeError", "UnsupportedParam", "block_table_input",
+    "concat_name", "construction_for", "context_lens_input", "expected_weight_shapes", "lower",
+]
