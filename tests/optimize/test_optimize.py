@@ -1,0 +1,123 @@
+"""optimize_graph end to end: stamping, lowering the unrunnable (with JIT requests), the flash
+bake, the decision record, Pareto routes, residency copies — and the value never changes."""
+
+from __future__ import annotations
+
+import torch
+
+from fuel.graph import BackendId, Device, DType, FusedOpParams, FusedOps, Graph, OpKind
+from fuel.jit import ArchSku, JitBudget
+from fuel.kernels import KernelEntry, cpu_table
+from fuel.optimize import (
+    BakePolicy, BranchKind, CostSource, OptimizeOptions, Reason, optimize_graph,
+    variant_bakes_thread_local,
+)
+from fuel.runtime import compile_program, execute
+from fuel.graph import lower
+
+from tests.optimize.builders import CUDA, SPEC, decode_attention
+from tests.optimize.test_pathfinders import feeds
+
+
+def residual_norm_graph():
+    graph = Graph()
+    x = graph.input("x", [2, 8], DType.F32)
+    r = graph.input("r", [2, 8], DType.F32)
+    gain = graph.input("g", [8], DType.F32)
+    both = graph.fused(FusedOps.RESIDUAL_ADD_RMS_NORM, FusedOpParams.ResidualAddRmsNorm(1e-5), x, r, gain)
+    return graph, graph.prim(OpKind.SELECT, both, dim=0, index=0), both
+
+
+def test_every_needed_node_is_stamped_with_the_pinned_device():
+    graph, out, _ = residual_norm_graph()
+    result = optimize_graph(graph, [out], OptimizeOptions(table=cpu_table()))
+    assert all(graph.target_backend[n] is BackendId.CPU for n in result.order)
+    assert all(graph.placement[n] == Device(BackendId.CPU) for n in result.order)
+
+
+def test_fused_node_without_kernel_is_lowered_with_a_jit_request_and_runs():
+    graph, out, fused = residual_norm_graph()
+    table = cpu_table()
+    result = optimize_graph(graph, [out], OptimizeOptions(
+        table=table, jit_arch=ArchSku.CPU, jit_budget=JitBudget(max_compile_ms=500)))
+    (lowering,) = result.lowerings
+    assert lowering.node == fused and lowering.op == "residual_add_rms_norm" and lowering.root
+    assert len(result.jit_requests) == 1 and result.jit_requests[0].arch is ArchSku.CPU
+    assert fused not in result.order
+    got = compile_program(graph, lower(graph, result.roots), table).run(feeds(graph))[out]
+    x, r, g = (feeds(graph)[k] for k in "xrg")
+    total = x + r
+    expected = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5) * g
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_lowered_root_is_replaced_by_its_region_root():
+    graph, out, fused = residual_norm_graph()
+    result = optimize_graph(graph, [fused], OptimizeOptions(table=cpu_table()))
+    assert result.roots == (result.lowerings[0].root,)
+
+
+def test_decode_flash_arm_is_baked_on_layer1_and_the_value_is_unchanged():
+    graph = Graph()
+    attn = decode_attention(graph, k_len=256, head_dim=64, heads=8, kv_heads=2)
+    out = graph.prim(OpKind.MUL_SCALAR, attn, value=2.0)
+    table = cpu_table()
+    reference = execute(graph, [out], table, feeds(graph))[out]
+    before = variant_bakes_thread_local()
+    result = optimize_graph(graph, [out], OptimizeOptions(device_spec=SPEC, table=table))
+    assert result.bakes == 1 and variant_bakes_thread_local() - before == 1
+    (decision,) = result.decisions
+    assert (decision.kind, decision.winner, decision.reason, decision.collapsed) == \
+        (BranchKind.VARIANT, 1, Reason.CHEAPER, True)
+    assert [a.source for a in decision.arms] == [CostSource.LAYER1, CostSource.LAYER1]
+    assert decision.arms[1].cost_ns < decision.arms[0].cost_ns
+    assert attn in result.order  # the fused flash node is what runs
+    got = compile_program(graph, lower(graph, result.roots), table).run(feeds(graph))[out]
+    torch.testing.assert_close(got, reference)
+
+
+def test_without_a_device_spec_no_variant_is_offered():
+    graph = Graph()
+    out = graph.prim(OpKind.NEG, decode_attention(graph))
+    result = optimize_graph(graph, [out], OptimizeOptions(table=cpu_table()))
+    assert result.offers == () and result.decisions == () and result.bakes == 0
+
+
+def test_pareto_retention_routes_the_winner_without_pruning():
+    graph = Graph()
+    attn = decode_attention(graph, k_len=256, head_dim=64)
+    out = graph.prim(OpKind.NEG, attn)
+    result = optimize_graph(graph, [out], OptimizeOptions(
+        device_spec=SPEC, table=cpu_table(), policy=BakePolicy(pareto_retention=True)))
+    (decision,) = result.decisions
+    assert result.bakes == 0 and decision.retained and not decision.collapsed
+    assert dict(result.route) == {decision.branch: 1}
+    assert attn in result.order
+    assert result.live_branches() == (decision,)
+
+
+def test_placement_fork_is_left_live_with_its_residency_copies():
+    graph = Graph()
+    attn = decode_attention(graph, k_len=32)
+    out = graph.prim(OpKind.NEG, attn)
+    table = cpu_table()
+    table.bind(FusedOps.FLASH_ATTN, (DType.F32,) * 4, BackendId.CUDA,
+               KernelEntry(lambda node: None, frozenset({"causal"})))
+    result = optimize_graph(graph, [out], OptimizeOptions(
+        table=table, placement_devices=(CUDA,)))
+    (decision,) = result.decisions
+    assert decision.kind is BranchKind.PLACEMENT and decision.reason is Reason.PLACEMENT_LIVE
+    copies = [(c.arm, c.value, str(c.source), str(c.target), c.bytes) for c in result.residency]
+    q, k, v = graph.node(attn).inputs
+    assert copies == [(1, q, "cpu", "cuda:0", 1 * 4 * 1 * 16 * 4), (1, k, "cpu", "cuda:0", 2 * 32 * 16 * 4),
+                      (1, v, "cpu", "cuda:0", 2 * 32 * 16 * 4)]
+
+
+def test_optimize_is_deterministic():
+    def run():
+        graph = Graph()
+        out = graph.prim(OpKind.NEG, decode_attention(graph, k_len=128))
+        result = optimize_graph(graph, [out], OptimizeOptions(device_spec=SPEC, table=cpu_table()))
+        return graph.nodes(), result.order, result.decisions
+
+    assert run() == run()
