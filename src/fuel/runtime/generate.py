@@ -1,0 +1,154 @@
+"""Greedy generation over the engine: prefill in chunks, then decode (one sequence) or
+multi_seq (several sequences, one row each).
+
+Decides the order of steps and nothing about how a step runs (that is the engine's). The KV
+state after a call: the cache holds every committed token but the last generated one (the
+*pending* token, which the next step feeds).
+
+Invariants:
+- A prompt is prefilled in power-of-two chunks, largest first and at most ``chunk`` rows, so
+  every prompt length is served by a few programs; the last chunk's last row picks the first
+  new token.
+- Generation stops after ``max_new_tokens`` tokens or right after a token in ``stop`` (the stop
+  token is returned); the output is exactly the greedy continuation, one argmax per step.
+- ``generate_batch`` steps all unfinished sequences together in one ``multi_seq`` step; a
+  finished sequence drops out (rows shrink) and its blocks are freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from fuel.circuit.rules import Mode
+from fuel.runtime.engine import ContextTooLong, Engine, StepResult
+
+DEFAULT_CHUNK = 64
+
+
+def chunks(length: int, largest: int = DEFAULT_CHUNK) -> list[int]:
+    """Split ``length`` rows into power-of-two chunks, largest first, none above ``largest``."""
+    if length < 1 or largest < 1:
+        raise ValueError(f"cannot chunk {length} rows at most {largest} each")
+    top = 1 << (largest.bit_length() - 1)
+    out: list[int] = []
+    while length:
+        size = min(top, 1 << (length.bit_length() - 1))
+        out.append(size)
+        length -= size
+    return out
+
+
+def prefill(engine: Engine, sequence: Hashable, ids: Sequence[int], *, chunk: int = DEFAULT_CHUNK,
+            mode: Mode = Mode.PREFILL) -> StepResult:
+    """Feed ``ids`` to ``sequence`` in chunks (``mode`` prefill, or draft for the draft head);
+    returns the last chunk's step."""
+    result, start = None, 0
+    for size in chunks(len(ids), chunk):
+        result = engine.step(mode, [(sequence, ids[start:start + size])])
+        start += size
+    assert result is not None
+    return result
+
+
+@dataclass(slots=True)
+class Timing:
+    """Wall time of the prefill and of the token-producing steps after it."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class Generation:
+    prompt: tuple[int, ...]
+    tokens: list[int] = field(default_factory=list)
+    timing: Timing = field(default_factory=Timing)
+
+
+def _check_room(engine: Engine, sequence: Hashable, prompt: Sequence[int], max_new_tokens: int,
+                slack: int = 0) -> None:
+    needed = len(prompt) + max_new_tokens + slack
+    if needed > engine.max_context:
+        raise ContextTooLong(sequence, needed, engine.max_context)
+
+
+def _done(tokens: list[int], max_new_tokens: int, stop: Sequence[int]) -> bool:
+    return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in stop)
+
+
+def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, *,
+             stop: Sequence[int] = (), sequence: Hashable = "gen",
+             on_token: Callable[[int], None] | None = None, chunk: int = DEFAULT_CHUNK) -> Generation:
+    """Greedy continuation of ``prompt`` (plain decode); the sequence is freed at the end."""
+    if not prompt:
+        raise ValueError("an empty prompt has nothing to continue")
+    _check_room(engine, sequence, prompt, max_new_tokens)
+    out = Generation(tuple(prompt))
+    engine.add_sequence(sequence)
+    try:
+        started = time.perf_counter()
+        result = prefill(engine, sequence, list(prompt), chunk=chunk)
+        token = result.tokens[-1]
+        out.timing.prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        while max_new_tokens > 0:
+            out.tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if _done(out.tokens, max_new_tokens, stop):
+                break
+            token = engine.step(Mode.DECODE, [(sequence, [token])]).tokens[-1]
+            out.timing.decode_tokens += 1
+        out.timing.decode_s = time.perf_counter() - started
+    finally:
+        engine.free(sequence)
+    return out
+
+
+def generate_batch(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                   stop: Sequence[int] = (), chunk: int = DEFAULT_CHUNK) -> list[Generation]:
+    """Greedy continuations of several prompts, decoded together (``multi_seq`` steps)."""
+    names = [f"batch{i}" for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts):
+        _check_room(engine, name, prompt, max_new_tokens)
+    outs = [Generation(tuple(prompt)) for prompt in prompts]
+    pending: dict[str, int] = {}
+    try:
+        for name, prompt, out in zip(names, prompts, outs):
+            engine.add_sequence(name)
+            started = time.perf_counter()
+            pending[name] = prefill(engine, name, list(prompt), chunk=chunk).tokens[-1]
+            out.timing.prefill_s = time.perf_counter() - started
+        live = [i for i in range(len(prompts)) if max_new_tokens > 0]
+        started = time.perf_counter()
+        while live:
+            for i in live:
+                outs[i].tokens.append(pending[names[i]])
+            live = [i for i in live if not _done(outs[i].tokens, max_new_tokens, stop)]
+            for i, name in enumerate(names):
+                if i not in live and name in pending:
+                    engine.free(name)
+                    del pending[name]
+            if not live:
+                break
+            result = engine.step(Mode.MULTI_SEQ, [(names[i], [pending[names[i]]]) for i in live])
+            for i, token in zip(live, result.tokens):
+                pending[names[i]] = token
+                outs[i].timing.decode_tokens += 1
+        elapsed = time.perf_counter() - started
+        for out in outs:
+            out.timing.decode_s = elapsed
+    finally:
+        for name in names:
+            engine.free(name)
+    return outs
+
+
+__all__ = ["DEFAULT_CHUNK", "Generation", "Timing", "chunks", "generate", "generate_batch", "prefill"]
