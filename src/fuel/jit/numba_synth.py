@@ -1,0 +1,482 @@
+"""The CPU synthesizer: regions compiled to fused kernels with numba.
+
+Decides what the CPU JIT can build and how:
+
+- **Row-wise regions** (``fuel.jit.rowwise``: elementwise ops, broadcasts, last-axis keepdim
+  reductions, last-axis slices/concats — rms_norm, residual_add_rms_norm, softmax, silu_mul,
+  rope, layer_norm) get *generated* code: one pass per row, reductions as loops, a value used
+  twice kept in a per-chunk scratch row instead of recomputed, every part of a stacked output
+  written from the same pass.
+- **The paged-attention region** (recognized by ``fuel.jit.paged``) gets a structural
+  template: per (sequence, kv head) task, scores gathered through the u32 block table, masked by
+  the u32 context length, soft-capped when the region is, a two-pass softmax, and the weighted
+  values; GQA by serving the kv head's query-head group from one task.
+- Anything else is :class:`~fuel.jit.protocol.Declined` with the analysis' precise reason.
+
+Each kernel is compiled in two variants (``prange`` over row chunks, and serial) because a
+decode-sized call (one row, a few heads) loses more to waking threads than it gains; the
+wrapper picks by the call's element count (``PARALLEL_MIN_ELEMENTS``).
+
+Numerics and dtypes: kernels compute in float64 accumulators over float32 storage. numba has
+no bf16 (and partial f16), so for bf16/f16 operands the wrapper upcasts the inputs to f32 and
+casts the result back; the conversion is part of the measured cost the adoption gate compares,
+and verification uses that dtype's tolerance. Index operands stay in their own dtype (u32 is
+read as uint32; never widened in the request or the key).
+
+Compile time is measured (source generation, numba compilation or cache load) and compared with
+the request's ``max_compile_ms``: over budget is ``Declined("compile budget exceeded: …")``.
+Compiled kernels are cached on disk keyed by the structure key (``fuel.jit.cache``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fuel.graph.dtype import BackendId, DType
+from fuel.jit import cache
+from fuel.jit.paged import PagedRegion, match_paged
+from fuel.jit.protocol import (
+    ArchSku, Declined, ElementKind, JitRequest, SynthesisResult, Synthesized, SynthesizedKernel,
+)
+from fuel.jit.rowwise import (
+    Binary, Concat, NotRowWise, Read, Reduce, RowProgram, RowValue, Slice, Unary, WithScalar,
+    analyze, is_scalar, width,
+)
+
+KERNEL_SOURCE = "jit.numba.cpu"
+PARALLEL_MIN_ELEMENTS = 1 << 16
+"""Calls touching fewer elements run the serial variant (thread wake-up costs more than it saves)."""
+
+_FLOAT_KINDS = {ElementKind.F32, ElementKind.BF16, ElementKind.F16}
+_INDEX_NUMBA = {ElementKind.U32: "uint32", ElementKind.I32: "int32", ElementKind.I64: "int64"}
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A kernel adoption refused, as told to :meth:`NumbaSynthesizer.on_rejected`."""
+
+    entry_point: str
+    report: str
+
+
+class NumbaSynthesizer:
+    """Builds CPU kernels with numba (see the module docstring for what it builds)."""
+
+    name = "numba"
+
+    def __init__(self, cache_dir: Path | None = None):
+        self._cache_dir = cache_dir
+        self._ready: dict[str, SynthesizedKernel] = {}
+        self.rejections: list[Rejection] = []
+
+    @property
+    def cache_dir(self) -> Path:
+        return self._cache_dir if self._cache_dir is not None else cache.jit_cache_dir(self.name)
+
+    def synthesize(self, request: JitRequest) -> SynthesisResult:
+        if request.arch is not ArchSku.CPU:
+            return Declined(f"numba builds CPU kernels; the request targets {request.arch.value}")
+        try:
+            import numba  # noqa: F401
+        except ImportError:
+            return Declined("numba is not installed (pip install 'fuel[jit]')")
+        plan = _plan(request)
+        if isinstance(plan, Declined):
+            return plan
+        source, make_runner = plan
+        key = request.structure_key()
+        path = cache.write_source(self.cache_dir, key, source)
+        from_cache = cache.has_compiled(path)
+        started = time.perf_counter()
+        try:
+            module = cache.import_module(path)
+        except Exception as error:  # noqa: BLE001 — a compiler failure is this kernel's "no"
+            return Declined(f"numba could not compile the generated kernel: "
+                            f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        compile_ms = (time.perf_counter() - started) * 1e3
+        if compile_ms > request.budget.max_compile_ms:
+            return Declined(f"compile budget exceeded: took {compile_ms:.0f} ms > "
+                            f"{request.budget.max_compile_ms} ms")
+        entry_point = f"numba:{cache.module_name(key)}"
+        self._ready[entry_point] = SynthesizedKernel(
+            entry_point, key, BackendId.CPU, KERNEL_SOURCE, make_runner(module), source,
+            compile_ms, from_cache)
+        return Synthesized(entry_point)
+
+    def take_kernel(self, entry_point: str) -> SynthesizedKernel | None:
+        return self._ready.pop(entry_point, None)
+
+    def on_rejected(self, entry_point: str, report: str) -> None:
+        self.rejections.append(Rejection(entry_point, report))
+
+
+# Planning a request: the source text and how to wrap the compiled module.
+def _plan(request: JitRequest):
+    kinds = [o.dtype for o in request.operands]
+    paged = match_paged(request.region)
+    if paged is not None:
+        return _plan_paged(request, paged)
+    if not all(kind in _FLOAT_KINDS for kind in kinds):
+        return Declined("row-wise kernels take float operands only; got "
+                        + ", ".join(k.value for k in kinds))
+    if len(set(kinds)) != 1:
+        return Declined("row-wise operands must share one float dtype; got "
+                        + ", ".join(k.value for k in kinds))
+    rank = max(o.rank for o in request.inputs)
+    program = analyze(request.region, rank)
+    if isinstance(program, NotRowWise):
+        return Declined(f"not a row-wise region and not paged attention: {program.reason}")
+    if len(request.inputs) != program.binds:
+        return Declined(f"the region binds {program.binds} inputs; the request has "
+                        f"{len(request.inputs)}")
+    source = _rowwise_source(program)
+    return source, lambda module: _RowRunner(module, program, kinds[-1].dtype)
+
+
+# Row-wise code generation.
+_UNARY_CODE = {"neg": "(-{x})", "exp": "math.exp({x})", "log": "math.log({x})",
+               "sqrt": "math.sqrt({x})", "rsqrt": "(1.0 / math.sqrt({x}))",
+               "tanh": "math.tanh({x})", "silu": "_silu({x})", "sigmoid": "_sigmoid({x})",
+               "recip": "(1.0 / {x})", "abs": "abs({x})"}
+_BINARY_CODE = {"add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
+                "div": "({a} / {b})", "maximum": "max({a}, {b})"}
+_SCALAR_CODE = {"add": "({x} + {v})", "mul": "({x} * {v})", "pow": "({x} ** {v})"}
+
+
+class _RowCodegen:
+    """Emits the per-row body; values used more than once are computed once (a scalar variable,
+    or a scratch row for a vector)."""
+
+    def __init__(self, program: RowProgram):
+        self.uses: Counter[RowValue] = Counter()
+        for part in program.parts:
+            self._count(part)
+        self.names: dict[RowValue, str] = {}
+        self.scratch: list[tuple[str, str]] = []  # (name, width code)
+        self.lines: list[str] = []
+
+    def _count(self, value: RowValue) -> None:
+        self.uses[value] += 1
+        if self.uses[value] > 1:
+            return
+        for child in _children(value):
+            self._count(child)
+
+    def ensure(self, value: RowValue) -> None:
+        """Emit statements for ``value``'s dependencies and, if it is named, for itself."""
+        if value in self.names:
+            return
+        for child in _children(value):
+            self.ensure(child)
+        if isinstance(value, Reduce):
+            self._reduce(value)
+        elif is_scalar(value) and self.uses[value] > 1:
+            name = f"s{len(self.names)}"
+            self.lines.append(f"{name} = {self.scalar(value)}")
+            self.names[value] = name
+        elif not isinstance(value, Read) and not is_scalar(value) and self.uses[value] > 1:
+            name = f"t{len(self.names)}"
+            self.scratch.append((name, width(value)))
+            self.lines += [f"for j in range({width(value)}):",
+                           f"    {name}[j] = {self.elem(value, 'j')}"]
+            self.names[value] = name
+
+    def _reduce(self, value: Reduce) -> None:
+        name = f"s{len(self.names)}"
+        init = "-math.inf" if value.fn == "max" else "0.0"
+        step = f"{name} = max({name}, {{e}})" if value.fn == "max" else f"{name} += {{e}}"
+        self.lines += [f"{name} = {init}", f"for j in range({width(value.x)}):",
+                       "    " + step.format(e=self.elem(value.x, "j"))]
+        if value.fn == "mean":
+            self.lines.append(f"{name} = {name} / {width(value.x)}")
+        self.names[value] = name
+
+    def scalar(self, value: RowValue) -> str:
+        if value in self.names:
+            return self.names[value]
+        return self.elem(value, "0")
+
+    def elem(self, value: RowValue, j: str) -> str:
+        """Code for element ``j`` of ``value`` in the current row."""
+        name = self.names.get(value)
+        if name is not None:
+            return name if is_scalar(value) else f"{name}[{j}]"
+        if isinstance(value, Read):
+            return f"b{value.bind}[r{value.bind}, {j}]"
+        if isinstance(value, Unary):
+            return _UNARY_CODE[value.fn].format(x=self.elem(value.x, j))
+        if isinstance(value, WithScalar):
+            return _SCALAR_CODE[value.fn].format(x=self.elem(value.x, j), v=repr(value.value))
+        if isinstance(value, Binary):
+            return _BINARY_CODE[value.fn].format(a=self.elem(value.a, j), b=self.elem(value.b, j))
+        if isinstance(value, Slice):
+            return self.elem(value.x, f"({j} + {value.start})")
+        if isinstance(value, Concat):
+            left = width(value.a)
+            return (f"({self.elem(value.a, j)} if {j} < {left} "
+                    f"else {self.elem(value.b, f'({j} - {left})')})")
+        raise AssertionError(f"unnamed reduction {value!r}")  # ensure() names every Reduce
+
+
+def _children(value: RowValue) -> tuple[RowValue, ...]:
+    if isinstance(value, Read):
+        return ()
+    if isinstance(value, Binary):
+        return (value.a, value.b)
+    if isinstance(value, Concat):
+        return (value.a, value.b)
+    return (value.x,)
+
+
+_PRELUDE = '''"""Generated by fuel.jit.numba_synth: {what}. Do not edit: regenerated from the structure key."""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, fastmath=False)
+def _silu(v):
+    return v / (1.0 + math.exp(-v))
+
+
+@njit(cache=True, fastmath=False)
+def _sigmoid(v):
+    return 1.0 / (1.0 + math.exp(-v))
+'''
+
+
+def _rowwise_source(program: RowProgram) -> str:
+    gen = _RowCodegen(program)
+    for part in program.parts:
+        gen.ensure(part)
+    body = list(gen.lines)
+    out_width = program.out_width
+    for index, part in enumerate(program.parts):
+        target = f"out[{index}, r, j]" if program.stacked else "out[r, j]"
+        body += [f"for j in range({out_width}):", f"    {target} = {gen.elem(part, 'j')}"]
+    binds = ", ".join(f"b{i}" for i in range(program.binds))
+    row_index = [f"r{i} = r % b{i}.shape[0]" for i in range(program.binds)]
+    scratch = [f"{name} = np.empty({code}, np.float64)" for name, code in gen.scratch]
+    out_type = "float32[:, :, ::1]" if program.stacked else "float32[:, ::1]"
+    signature = f"void({out_type}, {', '.join(['float32[:, ::1]'] * program.binds)}, int64, int64, int64)"
+
+    def kernel(name: str, parallel: bool) -> list[str]:
+        loop = "prange" if parallel else "range"
+        lines = [f'@njit("{signature}", parallel={parallel}, fastmath=False, cache=True)',
+                 f"def {name}(out, {binds}, rows, W, chunks):",
+                 "    per_chunk = (rows + chunks - 1) // chunks",
+                 f"    for c in {loop}(chunks):"]
+        lines += [f"        {line}" for line in scratch]
+        lines += ["        for r in range(c * per_chunk, min(rows, (c + 1) * per_chunk)):"]
+        lines += [f"            {line}" for line in row_index + body]
+        return lines
+
+    text = _PRELUDE.format(what="a row-wise region") + "\n\n"
+    text += "\n".join(kernel("kernel_parallel", True)) + "\n\n\n"
+    text += "\n".join(kernel("kernel_serial", False)) + "\n\n\n"
+    text += f"def out_width(W):\n    return {out_width}\n"
+    return text
+
+
+def _compute_dtype(dtype: DType):
+    import torch
+
+    return torch.float32 if dtype in (DType.F32, DType.BF16, DType.F16) else None
+
+
+class _RowRunner:
+    """Presents torch tensors to a row-wise kernel (see ``fuel.jit.rowwise`` conventions)."""
+
+    def __init__(self, module: Any, program: RowProgram, out_dtype: DType):
+        import numba
+        import numpy
+        import torch
+
+        from fuel.kernels.torch_kernels import torch_dtype
+
+        self._parallel, self._serial = module.kernel_parallel, module.kernel_serial
+        self._out_width = module.out_width
+        self._parts = len(program.parts)
+        self._stacked = program.stacked
+        self._dtype = torch_dtype(out_dtype)
+        self._threads = numba.get_num_threads()
+        self._torch = torch
+        self._np = numpy
+        self._layouts: dict[tuple[tuple[int, ...], ...], tuple] = {}
+
+    def _rows_of(self, tensor, main: tuple[int, ...], width: int):
+        """A ``[rows, width]`` float32 NumPy view of ``tensor`` (a copy only when it must be)."""
+        torch = self._torch
+        if tensor.dtype != torch.float32:
+            tensor = tensor.to(torch.float32)
+        shape = tuple(tensor.shape)
+        dims = list(shape)
+        while dims and dims[0] == 1:
+            dims.pop(0)
+        if shape != main and not (dims and dims[-1] == width
+                                  and tuple(dims) == main[len(main) - len(dims):]):
+            tensor = tensor.expand(main)
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        return tensor.numpy().reshape(-1, width)
+
+    def _layout(self, shapes: tuple[tuple[int, ...], ...]):
+        """Per input shapes (memoized): the main shape, rows, widths, output shape."""
+        main = _broadcast(*shapes)
+        width_in = main[-1]
+        rows = math.prod(main[:-1])
+        width_out = self._out_width(width_in)
+        lead = (self._parts,) if self._stacked else ()
+        parallel = rows * width_in >= PARALLEL_MIN_ELEMENTS and self._threads > 1
+        # Inputs readable in place (same shape, or broadcasting over leading axes only): their
+        # row count; 0 means the wrapper must materialize the broadcast.
+        direct = []
+        for shape in shapes:
+            dims = list(shape)
+            while dims and dims[0] == 1:
+                dims.pop(0)
+            fits = shape == main or (dims and dims[-1] == width_in
+                                     and tuple(dims) == main[len(main) - len(dims):])
+            direct.append(math.prod(shape) // width_in if fits and width_in else 0)
+        layout = (main, width_in, rows, lead + (rows, width_out), lead + main[:-1] + (width_out,),
+                  parallel, max(1, min(rows, self._threads * 4)) if parallel else 1, tuple(direct))
+        self._layouts[shapes] = layout
+        return layout
+
+    def __call__(self, *inputs):
+        # NumPy-side views and allocation, and the layout memoized per input shapes: at decode
+        # shapes the kernel itself takes about a microsecond, so the wrapper must not add ten.
+        shapes = tuple(tuple(t.shape) for t in inputs)
+        layout = self._layouts.get(shapes) or self._layout(shapes)
+        main, width_in, rows, flat_shape, out_shape, parallel, chunks, direct = layout
+        f32 = self._torch.float32
+        arrays = [t.numpy().reshape(rows_in, width_in)
+                  if rows_in and t.dtype == f32 and t.is_contiguous()
+                  else self._rows_of(t, main, width_in) for t, rows_in in zip(inputs, direct)]
+        flat = self._np.empty(flat_shape, self._np.float32)
+        if rows:
+            (self._parallel if parallel else self._serial)(flat, *arrays, rows, width_in, chunks)
+        out = self._torch.from_numpy(flat).view(out_shape)
+        return out if self._dtype == self._torch.float32 else out.to(self._dtype)
+
+
+def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy broadcasting of shapes (torch.broadcast_shapes costs ~10 us per call)."""
+    rank = max(len(s) for s in shapes)
+    out = [1] * rank
+    for shape in shapes:
+        for axis, extent in enumerate(shape, start=rank - len(shape)):
+            if extent != 1:
+                if out[axis] not in (1, extent):
+                    raise ValueError(f"shapes {shapes} do not broadcast")
+                out[axis] = extent
+    return tuple(out)
+
+
+# The paged-attention template.
+_PAGED_BODY = '''
+@njit("void(float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], {index}[:, ::1], {index}[::1], float64, float64)",
+      parallel={parallel}, fastmath=False, cache=True)
+def {name}(out, q, k_cache, v_cache, block_table, context_lens, scale, softcap):
+    batch, q_heads, q_len, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    kv_heads = k_cache.shape[2]
+    capacity = block_table.shape[1] * block_size
+    group = q_heads // kv_heads
+    for task in {loop}(batch * kv_heads):
+        b = task // kv_heads
+        kv = task % kv_heads
+        context = np.int64(context_lens[b])
+        scores = np.empty(capacity, np.float64)
+        acc = np.empty(head_dim, np.float64)
+        for g in range(group):
+            h = kv * group + g
+            for i in range(q_len):
+                # Query i sits at position context - q_len + i and sees positions up to it.
+                visible = min(context - q_len + i + 1, capacity)
+                if visible <= 0:
+                    for d in range(head_dim):
+                        out[b, h, i, d] = np.nan
+                    continue
+                top = -math.inf
+                for t in range(visible):
+                    block = np.int64(block_table[b, t // block_size])
+                    offset = t % block_size
+                    s = 0.0
+                    for d in range(head_dim):
+                        s += q[b, h, i, d] * k_cache[block, offset, kv, d]
+                    s = s * scale{softcap}
+                    scores[t] = s
+                    if s > top:
+                        top = s
+                total = 0.0
+                for t in range(visible):
+                    e = math.exp(scores[t] - top)
+                    scores[t] = e
+                    total += e
+                for d in range(head_dim):
+                    acc[d] = 0.0
+                for t in range(visible):
+                    block = np.int64(block_table[b, t // block_size])
+                    offset = t % block_size
+                    w = scores[t] / total
+                    for d in range(head_dim):
+                        acc[d] += w * v_cache[block, offset, kv, d]
+                for d in range(head_dim):
+                    out[b, h, i, d] = acc[d]
+'''
+
+
+def _plan_paged(request: JitRequest, paged: PagedRegion):
+    kinds = [o.dtype for o in request.operands]
+    data, index = kinds[:3] + kinds[5:], kinds[3:5]
+    if len(set(data)) != 1 or data[0] not in _FLOAT_KINDS:
+        return Declined("paged attention needs q, caches and output of one float dtype; got "
+                        + ", ".join(k.value for k in data))
+    if index[0] != index[1] or index[0] not in _INDEX_NUMBA:
+        return Declined("paged attention needs block table and context lengths of one index "
+                        "dtype (u32, i32, i64); got " + ", ".join(k.value for k in index))
+    if [o.rank for o in request.operands] != [4, 4, 4, 2, 1, 4]:
+        return Declined("paged attention operands must have ranks q 4, caches 4, block table 2, "
+                        "context lengths 1, output 4")
+    softcap = "" if paged.softcap is None else "\n                    s = math.tanh(s * (1.0 / softcap)) * softcap"
+    source = _PRELUDE.format(what="the paged-attention decode template")
+    for name, parallel in (("kernel_parallel", True), ("kernel_serial", False)):
+        source += _PAGED_BODY.format(index=_INDEX_NUMBA[index[0]], parallel=parallel, name=name,
+                                     loop="prange" if parallel else "range", softcap=softcap)
+    return source, lambda module: _PagedRunner(module, paged, kinds[-1].dtype)
+
+
+class _PagedRunner:
+    def __init__(self, module: Any, paged: PagedRegion, out_dtype: DType):
+        import numba
+        import torch
+
+        from fuel.kernels.torch_kernels import torch_dtype
+
+        self._parallel, self._serial = module.kernel_parallel, module.kernel_serial
+        self._scale = paged.softmax_scale
+        self._softcap = paged.softcap or 0.0
+        self._dtype = torch_dtype(out_dtype)
+        self._threads = numba.get_num_threads()
+        self._torch = torch
+
+    def __call__(self, q, k_cache, v_cache, block_table, context_lens):
+        torch = self._torch
+        as_f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+        q32, k32, v32 = as_f32(q), as_f32(k_cache), as_f32(v_cache)
+        out = torch.empty(q32.shape, dtype=torch.float32)
+        work = q32.numel() * block_table.shape[1] * k_cache.shape[1]
+        tasks = q.shape[0] * k_cache.shape[2]
+        kernel = self._parallel if work >= PARALLEL_MIN_ELEMENTS and tasks > 1 and self._threads > 1 \
+            else self._serial
+        kernel(out.numpy(), q32.numpy(), k32.numpy(), v32.numpy(),
+               block_table.contiguous().numpy(), context_lens.contiguous().numpy(),
+               self._scale, self._softcap)
+        return out if self._dtype == torch.float32 else out.to(self._dtype)

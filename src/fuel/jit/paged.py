@@ -1,0 +1,70 @@
+"""Recognizing the paged-attention decode region, so a synthesizer can use a structural template.
+
+Decides whether a request's region *is* paged attention: it must be the registry's own
+paged-attention recipe with its open slots (``softmax_scale``, ``block_size``, ``index_dtype``,
+and the soft-cap pair when present) filled by concrete values. Recognition unifies the region
+against the recipe template tree, so a region that differs anywhere (another mask, another
+gather, a missing scale) is not recognized and is declined rather than approximated.
+
+Invariants: pure and total (returns :class:`PagedRegion` or ``None``); the extracted values are
+exactly the ones in the region, so the template kernel computes the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fuel.graph.dtype import DType
+from fuel.graph.recipe import Bind, PatternNode, PatternOp, Quot, Slot
+from fuel.graph.registry import SPECS, FusedOps, PagedAttn
+
+
+@dataclass(frozen=True, slots=True)
+class PagedRegion:
+    softmax_scale: float
+    block_size: int
+    index_dtype: DType
+    softcap: float | None
+
+
+def _unify(template: Any, value: Any, slots: dict[str, Any]) -> bool:
+    if isinstance(template, Slot):
+        if template.name in slots:
+            return slots[template.name] == value
+        slots[template.name] = value
+        return True
+    if isinstance(template, Bind):
+        return isinstance(value, Bind) and value.index == template.index
+    if isinstance(template, PatternOp):
+        return (isinstance(value, PatternOp) and value.tag is template.tag
+                and len(value.operands) == len(template.operands)
+                and [k for k, _ in value.attrs] == [k for k, _ in template.attrs]
+                and all(_unify(t, v, slots) for (_, t), (_, v) in zip(template.attrs, value.attrs))
+                and all(_unify(t, v, slots) for t, v in zip(template.operands, value.operands)))
+    if isinstance(template, Quot):
+        return isinstance(value, Quot) and _unify(template.a, value.a, slots) \
+            and _unify(template.b, value.b, slots)
+    if isinstance(template, tuple):
+        return isinstance(value, tuple) and len(value) == len(template) \
+            and all(_unify(t, v, slots) for t, v in zip(template, value))
+    return type(template) is type(value) and template == value
+
+
+def match_paged(region: PatternNode) -> PagedRegion | None:
+    """The paged-attention parameters of ``region``, or ``None`` when it is not that region."""
+    template_of = SPECS[FusedOps.PAGED_ATTN].template
+    for softcap in (None, 1.0):
+        slots: dict[str, Any] = {}
+        if _unify(template_of(PagedAttn(0.0, 1, softcap)), region, slots):
+            scale, block, index = (slots.get(k) for k in ("softmax_scale", "block_size",
+                                                            "index_dtype"))
+            if not isinstance(scale, float) or not isinstance(block, int) or block < 1 \
+                    or not isinstance(index, DType):
+                return None
+            cap = slots.get("softcap")
+            if softcap is not None and (not isinstance(cap, float) or cap <= 0
+                                        or slots.get("softcap_recip") != 1.0 / cap):
+                return None
+            return PagedRegion(scale, block, index, cap if softcap is not None else None)
+    return None
