@@ -1,0 +1,93 @@
+"""``fuel explain MODEL``: the optimize_graph decision record of a model's step.
+
+Plans the step offline (the rule set's named kernels, the documented policy defaults), lowers it
+to the tensor graph with the circuit's weight shapes (no checkpoint is read), optimizes it for
+the device with the kernel table bound there, the device spec's roofline and (unless
+``--no-judge``) this machine's Judge store, and prints every decision: what was lowered to its
+recipe and why, which arms were offered or declined, and per branch the arms, their costs and
+sources, the winner and the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from fuel.cli.app import app
+from fuel.errors import InputError
+
+JIT_BUDGET_MS = 2000
+"""The compile budget the shown JIT requests carry (what ``fuel run`` would allow per kernel)."""
+
+_RUNS = {"decode": lambda rows: ((1, 1),), "draft": lambda rows: ((1, 1),),
+         "multi_seq": lambda rows: ((1, rows),), "verify": lambda rows: ((rows, 1),)}
+
+
+@app.command("explain")
+def explain_command(
+    model: Annotated[str, typer.Argument(help="A zoo model name (see `fuel models`).")],
+    mode: Annotated[str, typer.Option("--mode", help="decode | multi_seq | verify | draft")] = "decode",
+    rows: Annotated[int | None, typer.Option("--rows", help="Padded rows of the step (default 1 for decode and draft).")] = None,
+    device_name: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
+    spec: Annotated[str | None, typer.Option("--spec", help="Device spec to price on (default: cpu-local for cpu).")] = None,
+    context: Annotated[int, typer.Option("--context", help="Longest context the step may attend.")] = 1024,
+    dtype: Annotated[str, typer.Option("--dtype", help="f32 or bf16.")] = "f32",
+    judge: Annotated[bool, typer.Option("--judge/--no-judge", help="Use this machine's Judge store.")] = True,
+) -> None:
+    """Which arms each branch had, what each cost (and whether the Judge measured it), who won, why."""
+    from fuel.cli.circuit import resolve_circuit
+    from fuel.cli.circuit_show import plan_request
+    from fuel.graph import BackendId, Device, DType
+
+    plan_mode, plan_rows, _ = plan_request(mode, rows, None)
+    if plan_mode.value not in _RUNS:
+        raise InputError("command line", "--mode", f"fuel explain lowers decode, draft, multi_seq or "
+                                                   f"verify steps, not {plan_mode.value}")
+    try:
+        device = Device.parse(device_name)
+    except ValueError:
+        raise InputError("command line", "--device", f"`{device_name}` is not cpu or cuda[:N]") from None
+    if dtype not in ("f32", "bf16"):
+        raise InputError("command line", "--dtype", f"`{dtype}` (expected f32 or bf16)")
+    if context < 1:
+        raise InputError("command line", "--context", f"{context} (expected a positive length)")
+    spec_name = spec or ("cpu-local" if device.backend is BackendId.CPU else None)
+    if spec_name is None:
+        raise InputError("command line", "--spec", "a cuda device needs a spec to price on (see `fuel devices`)")
+
+    from fuel.circuit.fuser import AvailableKernels, fuse
+    from fuel.circuit.policy import build_policy
+    from fuel.circuit.rules import load_builtin_rules
+    from fuel.cost import JudgeOracle, device as device_spec
+    from fuel.kernels import torch_table
+    from fuel.optimize import OptimizeOptions, optimize_graph
+    from fuel.optimize.render import render_explanation
+    from fuel.runtime.lower import StepShape, expected_weight_shapes, lower
+
+    circuit = resolve_circuit(model, None, None)
+    rules = load_builtin_rules("cpu" if device.backend is BackendId.CPU else "cuda")
+    plan = fuse(circuit, rules, AvailableKernels.all_named_by(rules), build_policy(), plan_mode, plan_rows)
+    block_size = 16
+    max_blocks = -(-context // block_size)
+    runs = _RUNS[plan_mode.value](plan_rows)
+    sequences = sum(n for _, n in runs)
+    step = lower(plan, circuit, expected_weight_shapes(circuit),
+                 StepShape(runs, block_size, max_blocks * sequences, max_blocks, context),
+                 dtype=DType(dtype))
+    oracle = JudgeOracle.load(backends=(device.backend.value,)) if judge else None
+    if oracle is not None and oracle.problem is not None:
+        typer.echo(f"judge store not used: {oracle.problem}", err=True)
+    from fuel.jit import ArchSku, JitBudget
+
+    # The CPU's requests are shown; a CUDA request needs the GPU's compute capability, which an
+    # offline explain does not know.
+    jit_arch = ArchSku.CPU if device.backend is BackendId.CPU else None
+    options = OptimizeOptions(device=device, device_spec=device_spec(spec_name),
+                              table=torch_table(device.backend), judge=oracle, jit_arch=jit_arch,
+                              jit_budget=JitBudget(max_compile_ms=JIT_BUDGET_MS))
+    optimized = optimize_graph(step.graph, step.roots, options)
+    cells = len(oracle) if oracle is not None else 0
+    header = (f"fuel explain {model}  mode={plan_mode.value} rows={plan_rows} device={device} "
+              f"spec={spec_name} dtype={dtype} context={context} judge={cells} cells")
+    typer.echo(render_explanation(optimized, step.graph, header), nl=False)
