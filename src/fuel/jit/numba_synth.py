@@ -5,7 +5,8 @@ Decides what the CPU JIT can build and how:
 - **Row-wise regions** (``fuel.jit.rowwise``: elementwise ops, broadcasts, last-axis keepdim
   reductions, last-axis slices/concats — rms_norm, residual_add_rms_norm, softmax, silu_mul,
   rope, layer_norm) get *generated* code: one pass per row, reductions as loops, a value used
-  twice kept in a per-chunk scratch row instead of recomputed, every part of a stacked output
+  twice kept in a per-chunk float32 scratch row (the storage dtype the recipe computes in)
+  instead of recomputed, every part of a stacked output
   written from the same pass.
 - **The paged-attention region** (recognized by ``fuel.jit.paged``) gets a structural
   template: per (sequence, kv head) task, scores gathered through the u32 block table, masked by
@@ -17,7 +18,8 @@ Each kernel is compiled in two variants (``prange`` over row chunks, and serial)
 decode-sized call (one row, a few heads) loses more to waking threads than it gains; the
 wrapper picks by the call's element count (``PARALLEL_MIN_ELEMENTS``).
 
-Numerics and dtypes: kernels compute in float64 accumulators over float32 storage. numba has
+Numerics and dtypes: kernels compute elementwise in float64 over float32 storage, reduce
+with four float64 partial sums (a fixed order), and keep reused rows in float32. numba has
 no bf16 (and partial f16), so for bf16/f16 operands the wrapper upcasts the inputs to f32 and
 casts the result back; the conversion is part of the measured cost the adoption gate compares,
 and verification uses that dtype's tolerance. Index operands stay in their own dtype (u32 is
@@ -187,13 +189,27 @@ class _RowCodegen:
             self.names[value] = name
 
     def _reduce(self, value: Reduce) -> None:
+        # Four partial accumulators: without fastmath the compiler may not reorder a reduction,
+        # so one accumulator is a serial dependency chain; four independent chains are ~4x
+        # faster and still a fixed, deterministic order.
         name = f"s{len(self.names)}"
         init = "-math.inf" if value.fn == "max" else "0.0"
-        step = f"{name} = max({name}, {{e}})" if value.fn == "max" else f"{name} += {{e}}"
-        self.lines += [f"{name} = {init}", f"for j in range({width(value.x)}):",
-                       "    " + step.format(e=self.elem(value.x, "j"))]
+        lanes = [f"{name}_{k}" for k in range(4)]
+        combine = (lambda acc, e: f"{acc} = max({acc}, {e})") if value.fn == "max" else \
+            (lambda acc, e: f"{acc} += {e}")
+        n = width(value.x)
+        self.lines += [f"{lane} = {init}" for lane in lanes]
+        self.lines += [f"n_{name} = {n}", f"for j in range(0, n_{name} - n_{name} % 4, 4):"]
+        self.lines += ["    " + combine(lane, self.elem(value.x, f"(j + {k})" if k else "j"))
+                       for k, lane in enumerate(lanes)]
+        self.lines += [f"for j in range(n_{name} - n_{name} % 4, n_{name}):",
+                       "    " + combine(lanes[0], self.elem(value.x, "j"))]
+        if value.fn == "max":
+            self.lines.append(f"{name} = max(max({lanes[0]}, {lanes[1]}), max({lanes[2]}, {lanes[3]}))")
+        else:
+            self.lines.append(f"{name} = ({lanes[0]} + {lanes[1]}) + ({lanes[2]} + {lanes[3]})")
         if value.fn == "mean":
-            self.lines.append(f"{name} = {name} / {width(value.x)}")
+            self.lines.append(f"{name} = {name} / n_{name}")
         self.names[value] = name
 
     def scalar(self, value: RowValue) -> str:
@@ -262,7 +278,7 @@ def _rowwise_source(program: RowProgram) -> str:
         body += [f"for j in range({out_width}):", f"    {target} = {gen.elem(part, 'j')}"]
     binds = ", ".join(f"b{i}" for i in range(program.binds))
     row_index = [f"r{i} = r % b{i}.shape[0]" for i in range(program.binds)]
-    scratch = [f"{name} = np.empty({code}, np.float64)" for name, code in gen.scratch]
+    scratch = [f"{name} = np.empty({code}, np.float32)" for name, code in gen.scratch]
     out_type = "float32[:, :, ::1]" if program.stacked else "float32[:, ::1]"
     signature = f"void({out_type}, {', '.join(['float32[:, ::1]'] * program.binds)}, int64, int64, int64)"
 
@@ -328,7 +344,7 @@ class _RowRunner:
 
     def _layout(self, shapes: tuple[tuple[int, ...], ...]):
         """Per input shapes (memoized): the main shape, rows, widths, output shape."""
-        main = _broadcast(*shapes)
+        main = _broadcast(*(tuple(s) for s in shapes))
         width_in = main[-1]
         rows = math.prod(main[:-1])
         width_out = self._out_width(width_in)
@@ -341,6 +357,7 @@ class _RowRunner:
             dims = list(shape)
             while dims and dims[0] == 1:
                 dims.pop(0)
+            shape = tuple(shape)
             fits = shape == main or (dims and dims[-1] == width_in
                                      and tuple(dims) == main[len(main) - len(dims):])
             direct.append(math.prod(shape) // width_in if fits and width_in else 0)
@@ -352,7 +369,7 @@ class _RowRunner:
     def __call__(self, *inputs):
         # NumPy-side views and allocation, and the layout memoized per input shapes: at decode
         # shapes the kernel itself takes about a microsecond, so the wrapper must not add ten.
-        shapes = tuple(tuple(t.shape) for t in inputs)
+        shapes = tuple([t.shape for t in inputs])  # torch.Size is a hashable tuple
         layout = self._layouts.get(shapes) or self._layout(shapes)
         main, width_in, rows, flat_shape, out_shape, parallel, chunks, direct = layout
         f32 = self._torch.float32
