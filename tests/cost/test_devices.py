@@ -86,3 +86,35 @@ def test_malformed_specs_name_file_and_key(edit, key):
     assert raised.value.file == "devs.toml"
     assert raised.value.key == key
     assert "devs.toml" in str(raised.value) and key in str(raised.value)
+
+
+CACHED = GOOD.replace("vector_tflops = 4", "vector_tflops = 4\ncache_mb = 50\ncache_bandwidth_gb_s = 12000").replace(
+    'launch_overhead = "estimate d"', 'launch_overhead = "estimate d"\ncache = "microbenchmark e"')
+
+
+def test_a_declared_cache_tier_parses_to_bytes_and_bytes_per_second():
+    x = parse_devices(CACHED, "devs.toml")[0]["x"]
+    assert (x.cache_bytes, x.cache_bandwidth_bytes_per_s) == (50 * 10**6, 12e12)
+    assert x.has_cache_tier() and x.sources["cache"] == "microbenchmark e"
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        (CACHED.replace("cache_bandwidth_gb_s = 12000", ""), "device.x.cache_bandwidth_gb_s"),
+        (CACHED.replace("cache_mb = 50", ""), "device.x.cache_mb"),
+        (CACHED.replace('cache = "microbenchmark e"', ""), "device.x.sources.cache"),
+        (CACHED.replace("cache_mb = 50", "cache_mb = 0"), "device.x.cache_mb"),
+        (GOOD.replace('launch_overhead = "estimate d"', 'launch_overhead = "estimate d"\ncache = "e"'),
+         "device.x.sources.cache"),
+    ],
+)
+def test_a_cache_tier_is_all_or_nothing(text, key):
+    with pytest.raises(DeviceSpecError) as raised:
+        parse_devices(text, "devs.toml")
+    assert raised.value.key == key
+
+
+def test_shipped_datasheet_devices_have_no_cache_tier_until_a_bandwidth_is_sourced():
+    # Vendors publish L2 sizes but no L2 bandwidth; see the note at the top of devices.toml.
+    assert [name for name, spec in load_devices().items() if spec.has_cache_tier()] == []

@@ -31,10 +31,12 @@ def test_reprobe_measures_again_and_rewrites_the_cache(isolated_cache, monkeypat
     fake = {
         "fp32_flops": 1e9, "bf16_flops": 2e9, "fp16_flops": 3e9, "vector_flops": 4e9,
         "bandwidth_bytes_per_s": 5e9, "launch_overhead_ns": 6, "memory_bytes": 7, "torch_threads": 1,
+        "cache_bytes": 8, "cache_bandwidth_bytes_per_s": 9e9, "cache_note": "fake",
     }
     monkeypatch.setattr(probe, "measure_cpu_local", lambda: dict(fake))
     spec = device("cpu-local", reprobe=True)
     assert (spec.bandwidth_bytes_per_s, spec.launch_overhead_ns) == (5e9, 6)
+    assert (spec.cache_bytes, spec.cache_bandwidth_bytes_per_s) == (8, 9e9)
     assert json.loads(probe.cache_path().read_text())["numbers"] == fake
 
 
@@ -45,3 +47,32 @@ def test_an_unreadable_cache_is_reported_then_replaced(isolated_cache, monkeypat
         spec = device("cpu-local")
     assert spec.bandwidth_bytes_per_s > 0
     json.loads(probe.cache_path().read_text())
+
+
+# cache_tier: samples are (working set bytes, ns) of in-cache copies. Slope between the first two:
+# 3000 B in 300 ns = 1e10 B/s; intercept 1100 - 1000 B / 10 B/ns = 1000 ns of fixed cost.
+SWEEP = [(1000, 1100.0), (4000, 1400.0), (8000, 1800.0)]
+
+
+def test_cache_tier_rate_is_the_slope_and_size_the_largest_set_within_2x():
+    # 16000 B in 4000 - 1000 = 3000 ns streams at 5.3e9 B/s, within 2x of 1e10: in the tier
+    assert probe.cache_tier([*SWEEP, (16000, 4000.0)], 1e9) == (16000, pytest.approx(1e10))
+
+
+def test_cache_tier_stops_at_the_first_set_that_streams_more_than_2x_slower():
+    # 16000 B in 5000 - 1000 = 4000 ns is 4e9 B/s, under half of 1e10; the larger one is not seen
+    assert probe.cache_tier([*SWEEP, (16000, 5000.0), (32000, 4200.0)], 1e9) == (8000, pytest.approx(1e10))
+
+
+def test_cache_tier_declines_with_a_reason():
+    assert "not faster than DRAM" in probe.cache_tier(SWEEP, 2e10)
+    assert "did not resolve" in probe.cache_tier([(1000, 1400.0), (4000, 1100.0)], 1e9)
+    assert "fewer than two" in probe.cache_tier(SWEEP[:1], 1e9)
+
+
+def test_the_probed_spec_has_a_cache_tier_faster_than_dram_or_says_why_not(isolated_cache):
+    spec = device("cpu-local")
+    if spec.has_cache_tier():
+        assert spec.cache_bandwidth_bytes_per_s > spec.bandwidth_bytes_per_s and spec.cache_bytes > 0
+    else:
+        assert "no tier" in spec.sources["cache"]

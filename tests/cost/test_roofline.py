@@ -1,5 +1,5 @@
-"""The roofline's arithmetic: max(compute, memory) + launches, saturating, never dividing by
-an unusable rate."""
+"""The roofline's arithmetic: max(compute, memory at the tier the working set fits) + launches,
+saturating, never dividing by an unusable rate."""
 
 import math
 
@@ -13,10 +13,12 @@ from fuel.cost import (
     CostEstimate,
     DeviceKind,
     DeviceSpec,
+    MemoryTier,
     PeakClass,
     Priced,
     Unpriced,
     composite_ns,
+    memory_tier,
     roofline,
     sum_composite_ns,
 )
@@ -126,3 +128,45 @@ def test_time_is_at_least_each_side_of_the_roofline(flops, bytes_, bandwidth, ra
     assert priced.ns >= min(math.floor(flops / rate * 1e9), SATURATED_NS)
     assert priced.ns >= min(math.floor(bytes_ / bandwidth * 1e9), SATURATED_NS)
     assert priced.ns == max(priced.compute_ns, priced.memory_ns)
+
+
+# The cache tier: toy() has DRAM at 2 GB/s; these give it a 4000-byte cache at 8 GB/s.
+def cached(**overrides) -> DeviceSpec:
+    return toy(**{"cache_bytes": 4000, "cache_bandwidth_bytes_per_s": 8e9, **overrides})
+
+
+def test_a_working_set_that_fits_the_cache_streams_at_the_cache_bandwidth():
+    priced = roofline(CostEstimate(flops=0, bytes=4000), cached())
+    # 4000 B / 8e9 B/s = 500 ns, + one 100 ns launch
+    assert priced == Priced(600, 0, 500, 100, Bound.MEMORY, MemoryTier.CACHE)
+
+
+def test_one_byte_over_the_cache_falls_back_to_dram_bandwidth():
+    priced = roofline(CostEstimate(flops=0, bytes=4001), cached())
+    # 4001 B / 2e9 B/s = 2000.5 ns, rounded up
+    assert (priced.memory_ns, priced.ns, priced.tier) == (2001, 2101, MemoryTier.DRAM)
+
+
+def test_a_device_without_a_cache_tier_prices_every_byte_at_dram():
+    assert memory_tier(CostEstimate(flops=0, bytes=1), toy()) is MemoryTier.DRAM
+    assert memory_tier(CostEstimate(flops=0, bytes=1), toy(cache_bytes=4000)) is MemoryTier.DRAM
+
+
+def test_the_cache_tier_still_takes_the_max_with_compute():
+    # 3000 flop at 1 GFLOP/s = 3000 ns beats 4000 B at 8 GB/s = 500 ns
+    priced = roofline(CostEstimate(flops=3000, bytes=4000), cached())
+    assert (priced.ns, priced.bound, priced.tier) == (3100, Bound.COMPUTE, MemoryTier.CACHE)
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, math.nan, math.inf])
+def test_an_unusable_cache_bandwidth_declines_only_for_ops_in_the_tier(rate):
+    device = cached(cache_bandwidth_bytes_per_s=rate)
+    priced = roofline(CostEstimate(flops=0, bytes=100), device)
+    assert isinstance(priced, Unpriced) and "cache bandwidth" in priced.reason
+    assert composite_ns(CostEstimate(flops=0, bytes=8000), device) == 4000 + 100
+
+
+@given(st.integers(0, 10**7), st.integers(0, 10**7))
+def test_a_cache_faster_than_dram_never_makes_an_op_slower(flops, size):
+    estimate = CostEstimate(flops=flops, bytes=size)
+    assert composite_ns(estimate, cached()) <= composite_ns(estimate, toy())

@@ -3,12 +3,13 @@
 Public API:
 
 - :class:`CostEstimate`, :func:`roofline`, :func:`composite_ns`, :func:`sum_composite_ns`,
-  :class:`Priced`, :class:`Unpriced`, :class:`Bound` — pricing work on a device (pure).
+  :class:`Priced`, :class:`Unpriced`, :class:`Bound`, :class:`MemoryTier`, :func:`memory_tier`
+  — pricing work on a device (pure).
 - :class:`DeviceSpec`, :class:`PeakClass`, :func:`load_devices`, :func:`device`,
   :func:`device_names`, :func:`probe_cpu_local` — device specs (data + the ``cpu-local`` probe).
 - :func:`size_class` (and the per-family helpers) — the shared size bucketing.
-- :func:`estimate`, :func:`size_class_of`, :func:`judge_op_name`, :class:`Unestimated` — Layer 1
-  for a tensor-graph node.
+- :func:`estimate`, :func:`estimate_for_kernel`, :func:`size_class_of`, :func:`judge_op_name`,
+  :class:`Unestimated` — Layer 1 for a tensor-graph node (and for the kernel bound to run it).
 - :class:`JudgeOracle`, :class:`JudgeStore`, :class:`StoredMeasurement`,
   :func:`profile_kernel`, :class:`Measurement` — the Judge.
 
@@ -23,7 +24,13 @@ from fuel.cost.devices import (
     device_names,
     load_devices,
 )
-from fuel.cost.estimate import Unestimated, estimate, judge_op_name, size_class_of
+from fuel.cost.estimate import (
+    Unestimated,
+    estimate,
+    estimate_for_kernel,
+    judge_op_name,
+    size_class_of,
+)
 from fuel.cost.fingerprint import device_fingerprint, library_versions
 from fuel.cost.judge import JudgeOracle
 from fuel.cost.probe import probe_cpu_local
@@ -32,9 +39,11 @@ from fuel.cost.roofline import (
     SATURATED_NS,
     Bound,
     CostEstimate,
+    MemoryTier,
     Priced,
     Unpriced,
     composite_ns,
+    memory_tier,
     roofline,
     sum_composite_ns,
 )
@@ -65,6 +74,7 @@ __all__ = [
     "JudgeStore",
     "JudgeStoreError",
     "Measurement",
+    "MemoryTier",
     "MergeReport",
     "PeakClass",
     "Priced",
@@ -76,6 +86,7 @@ __all__ = [
     "Unestimated",
     "composite_ns",
     "estimate",
+    "estimate_for_kernel",
     "judge_op_name",
     "size_class_of",
     "device",
@@ -83,6 +94,7 @@ __all__ = [
     "device_names",
     "library_versions",
     "load_devices",
+    "memory_tier",
     "peak_class_of",
     "probe_cpu_local",
     "profile_kernel",

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from fuel.cost.estimate import estimate, judge_op_name, size_class_of
+from fuel.cost.estimate import estimate_for_kernel, judge_op_name, size_class_of
 from fuel.cost.fingerprint import device_fingerprint, library_versions
 from fuel.cost.profile import Measurement, profile_kernel
 from fuel.cost.roofline import CostEstimate
@@ -62,7 +62,7 @@ def measure_workload(workload: Workload, table, backend: BackendId = BackendId.C
     entry = table.find(op_key(node.op), key_dtypes(graph, node_id), backend, required_caps(node))
     if entry is None:
         return Skipped(workload, f"no {backend.value} kernel bound for {judge_op_name(node)}")
-    layer1 = estimate(graph, node_id)
+    layer1 = estimate_for_kernel(graph, node_id, entry)  # one launch per call the kernel makes
     if not isinstance(layer1, CostEstimate):
         return Skipped(workload, layer1.reason)
     kernel = entry.kernel(node)

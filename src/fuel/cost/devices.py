@@ -8,8 +8,9 @@ empty or ``reprobe=True``.
 Invariants: a malformed file raises one :class:`DeviceSpecError` naming the file, the dotted key
 (``device.<name>.<field>``) and the bad value; a spec that loads has finite positive rates, a
 positive memory size, a non-negative launch overhead and a source for each of
-``peak_tflops``, ``bandwidth``, ``memory`` and ``launch_overhead``. Devices are returned in
-name order, never file order.
+``peak_tflops``, ``bandwidth``, ``memory`` and ``launch_overhead``. The cache tier
+(``cache_mb`` and ``cache_bandwidth_gb_s``) is optional but all-or-nothing: both numbers and a
+``sources.cache`` line, or none of them. Devices are returned in name order, never file order.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ _DEVICE_KEYS = {
     "peak_tflops",
     "sources",
     "probed",
+    "cache_mb",
+    "cache_bandwidth_gb_s",
 }
 _REQUIRED_SOURCES = ("peak_tflops", "bandwidth", "memory", "launch_overhead")
+_CACHE_KEYS = ("cache_mb", "cache_bandwidth_gb_s")
 
 
 class DeviceSpecError(InputError):
@@ -118,7 +122,8 @@ def _parse_device(file: str, name: str, body: object) -> DeviceSpec | None:
         text = sources.get(required)
         if not isinstance(text, str) or not text.strip():
             raise DeviceSpecError(file, f"{prefix}.sources.{required}", "missing source")
-    stray = sorted(set(sources) - set(_REQUIRED_SOURCES))
+    cache_bytes, cache_bandwidth = _cache_tier(file, prefix, body, sources)
+    stray = sorted(set(sources) - set(_REQUIRED_SOURCES) - {"cache"})
     if stray:
         raise DeviceSpecError(file, f"{prefix}.sources.{stray[0]}", "unknown key")
     return DeviceSpec(
@@ -130,8 +135,28 @@ def _parse_device(file: str, name: str, body: object) -> DeviceSpec | None:
         bandwidth_bytes_per_s=bandwidth * 1e9,
         memory_bytes=int(memory_gb * 1e9),
         launch_overhead_ns=int(round(overhead)),
-        sources={key: sources[key] for key in _REQUIRED_SOURCES},
+        sources={key: sources[key] for key in (*_REQUIRED_SOURCES, "cache") if key in sources},
+        cache_bytes=cache_bytes,
+        cache_bandwidth_bytes_per_s=cache_bandwidth,
     )
+
+
+def _cache_tier(file: str, prefix: str, body: dict, sources: dict) -> tuple[int | None, float | None]:
+    """The optional cache tier: (bytes, byte/s), or (None, None) when the device declares none."""
+    given = [key for key in _CACHE_KEYS if key in body]
+    if not given:
+        if "cache" in sources:
+            raise DeviceSpecError(file, f"{prefix}.sources.cache", "a source for a cache tier the device does not declare")
+        return None, None
+    missing = [key for key in _CACHE_KEYS if key not in body]
+    if missing:
+        raise DeviceSpecError(file, f"{prefix}.{missing[0]}", f"missing (a cache tier needs both {' and '.join(_CACHE_KEYS)})")
+    text = sources.get("cache")
+    if not isinstance(text, str) or not text.strip():
+        raise DeviceSpecError(file, f"{prefix}.sources.cache", "missing source")
+    size_mb = _number(file, f"{prefix}.cache_mb", body["cache_mb"])
+    bandwidth = _number(file, f"{prefix}.cache_bandwidth_gb_s", body["cache_bandwidth_gb_s"])
+    return int(size_mb * 1e6), bandwidth * 1e9
 
 
 def parse_devices(text: str, file: str) -> tuple[dict[str, DeviceSpec], list[str]]:

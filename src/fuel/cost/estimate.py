@@ -12,6 +12,10 @@ class) names the same node — the one ``size_class`` the profiler also uses.
   dispatch and no traffic; leaves (inputs, weights) and branch nodes cost nothing.
 - Runtime fused ops (ids from 0x8000) have no family formula: :class:`Unestimated` with the
   reason, so a provider prices their interior instead.
+- The family formula assumes the op runs as one kernel (one launch). Priced for a specific
+  bound kernel (:func:`estimate_for_kernel`), the launches are the compute calls that kernel
+  really makes (``KernelEntry.calls``: a torch composite such as the CPU rms_norm makes six),
+  so the roofline charges one launch overhead per call; the work (flops, bytes) is the op's.
 
 Invariants: pure (no files, clock or environment); never raises for a well-formed node — an
 ordinary "cannot price" is an :class:`Unestimated` value.
@@ -20,14 +24,16 @@ ordinary "cannot price" is an :class:`Unestimated` value.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from fuel.cost import families as fam
 from fuel.cost.roofline import CostEstimate
 from fuel.cost.sizeclass import size_class_attention, size_class_elements, size_class_matmul
 from fuel.graph.ir import Branch, Const, Fused, Graph, Input, Node, NodeId, Prim, Weight
 from fuel.graph.ops import OpKind
+if TYPE_CHECKING:
+    from fuel.kernels.table import KernelEntry
 from fuel.graph.registry import (
     FlashAttn,
     FusedOps,
@@ -212,6 +218,25 @@ def estimate(
         return Unestimated(f"node {node_id}: symbolic dim `{missing}` has no capacity binding")
     except _Unknown as unknown:
         return Unestimated(f"node {node_id}: {unknown}")
+
+
+def estimate_for_kernel(
+    graph: Graph,
+    node_id: NodeId,
+    entry: KernelEntry,
+    *,
+    symbols: Mapping[str, int] | None = None,
+    context_lens: Sequence[int] | None = None,
+) -> CostEstimate | Unestimated:
+    """The node's Layer-1 work as run by ``entry``: :func:`estimate`, with ``launches`` = the
+    compute calls the kernel makes for this node (``entry.calls``). An entry that declares no
+    count keeps the estimate's launches (one for a kernel, none for a leaf)."""
+    work = estimate(graph, node_id, symbols=symbols, context_lens=context_lens)
+    if not isinstance(work, CostEstimate) or entry.calls is None:
+        return work
+    node = graph.node(node_id)
+    calls = entry.calls(node, [graph.node(i) for i in node.inputs])
+    return replace(work, launches=calls)
 
 
 def size_class_of(

@@ -3,9 +3,20 @@
 Decided here: what is measured and how it becomes a :class:`DeviceSpec`.
 
 - Matrix peaks (fp32, bf16, fp16): the best of a square ``torch.mm`` GEMM (2·n³ FLOP per call).
-- Vector rate: an in-cache ``torch.addcmul`` (2 FLOP per element) — elementwise work at its best.
+- Vector rate: in-cache ``torch.addcmul`` (2 FLOP per element) — elementwise work at its best —
+  as the slope between two sizes, so the fixed per-call cost (priced separately, as launch
+  overhead) is not folded into the rate.
 - Bandwidth: a streaming ``copy_`` of a 64 MiB buffer (read + write = 2 × 64 MiB per call),
-  far larger than any cache.
+  far larger than any per-core cache.
+- Cache tier: streaming ``copy_`` calls whose working set (source + target) is a fraction of
+  the L2 size the OS reports (sysfs) times the thread count (each thread streams through its
+  own core's L2). The cache bandwidth is the slope between the two smallest working sets
+  (1/16 and 1/4 of that size), so the fixed per-call cost drops out; the tier's size is the
+  largest swept working set (1/16, 1/4, 1/2, 3/4, 1 of it) whose copy, less that fixed cost,
+  still streams within a factor of two of the cache bandwidth (:func:`cache_tier`) — real
+  caches stop holding a stream before their nominal size. No L2 size from the OS, an in-cache
+  rate that is not faster than DRAM, or a slope that does not resolve: no tier, and the source
+  line says which.
 - Launch overhead: a one-element ``torch.add`` — the fixed per-call cost every CPU kernel pays
   (Python dispatch, the framework's op launch).
 - Memory size: physical RAM.
@@ -31,8 +42,10 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the cache tier (cache_bytes, cache_bandwidth_bytes_per_s, cache_note)
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
+_CACHE_FRACTIONS = (1 / 16, 1 / 4, 1 / 2, 3 / 4, 1)
+_CACHE_SLOWDOWN = 2.0  # a working set belongs to the tier while it streams within this factor
 
 
 def cache_path(threads: int | None = None) -> Path:
@@ -47,6 +60,95 @@ def _physical_memory_bytes() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def _l2_bytes_per_core() -> int | None:
+    """The level-2 cache size of CPU 0 as Linux reports it (sysfs), or None when unknown."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for index in sorted(root.glob("index*")):
+            if (index / "level").read_text().strip() != "2":
+                continue
+            if (index / "type").read_text().strip() not in ("Unified", "Data"):
+                continue
+            text = (index / "size").read_text().strip().upper()
+            scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+            return int(text.rstrip("KMG")) * scale
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def cache_tier(
+    samples: list[tuple[int, float]], dram_bytes_per_s: float
+) -> tuple[int, float] | str:
+    """The cache tier from in-cache copy timings: ``(cache_bytes, cache_bytes_per_s)``, or the
+    reason there is none.
+
+    ``samples`` are ``(working_set_bytes, median_ns)`` of streaming copies in ascending size;
+    a copy moves its whole working set once (reads the source half, writes the target half).
+    The bandwidth is the slope between the first two samples and ``fixed`` the intercept;
+    the tier holds the leading samples whose rate ``bytes / (ns - fixed)`` is within
+    ``_CACHE_SLOWDOWN`` of that bandwidth. Pure: the measuring is done by the caller.
+    """
+    if len(samples) < 2:
+        return "fewer than two in-cache copy timings"
+    (small, small_ns), (large, large_ns) = samples[0], samples[1]
+    if large_ns <= small_ns or large <= small:
+        return f"copy time did not grow from {small} to {large} bytes: the in-cache slope did not resolve"
+    bandwidth = (large - small) / ((large_ns - small_ns) * 1e-9)
+    if bandwidth <= dram_bytes_per_s:
+        return f"in-cache copy ({bandwidth / 1e9:.1f} GB/s) is not faster than DRAM"
+    fixed_ns = small_ns - small / bandwidth * 1e9
+    tier = 0
+    for working_set, ns in samples:
+        streaming_ns = ns - fixed_ns
+        if streaming_ns <= 0 or working_set / (streaming_ns * 1e-9) * _CACHE_SLOWDOWN < bandwidth:
+            break
+        tier = working_set
+    if tier == 0:
+        return "no swept working set streamed at the in-cache rate"
+    return tier, bandwidth
+
+
+def _measure_cache_tier(torch, threads: int, dram_bytes_per_s: float) -> tuple[int | None, float | None, str]:
+    """(cache_bytes, cache_bytes_per_s, note) for this machine; (None, None, why) when no tier."""
+    l2 = _l2_bytes_per_core()
+    if l2 is None:
+        return None, None, "no tier: the OS reports no L2 cache size"
+    nominal = l2 * max(1, min(threads, os.cpu_count() or 1))
+    samples = []
+    for fraction in _CACHE_FRACTIONS:
+        elements = max(1, int(nominal * fraction) // 8)  # two f32 buffers of `elements` each
+        source = torch.ones(elements)
+        target = torch.empty_like(source)
+        measured = profile_kernel(lambda: target.copy_(source), warmup=5, repeats=9)
+        samples.append((2 * 4 * elements, float(measured.median_ns)))
+    tier = cache_tier(samples, dram_bytes_per_s)
+    sweep = ", ".join(f"{size} B {ns:.0f} ns" for size, ns in samples)
+    if isinstance(tier, str):
+        return None, None, f"no tier: {tier} (L2 {l2} B x {threads} threads; copies {sweep})"
+    size, bandwidth = tier
+    return size, bandwidth, (
+        f"L2 {l2} B per core (sysfs) x {threads} threads; slope of streaming copy_ over working "
+        f"sets {samples[0][0]} and {samples[1][0]} B; tier = largest working set within "
+        f"{_CACHE_SLOWDOWN:g}x of that rate (copies {sweep})"
+    )
+
+
+def _vector_flops_per_s(torch) -> float:
+    """In-cache addcmul rate: the slope between 8 Ki and 32 Ki elements (3 x 128 KiB at most,
+    inside L2, so this is arithmetic, not DRAM); the larger size's plain rate, a lower bound,
+    when noise hides the slope."""
+    timings = []
+    for elements in (8 * 1024, 32 * 1024):
+        x, y, z = torch.randn(elements), torch.randn(elements), torch.randn(elements)
+        measured = profile_kernel(lambda: z.addcmul_(x, y), warmup=3, repeats=9)
+        timings.append((2 * elements, measured.median_ns))
+    (small, small_ns), (large, large_ns) = timings
+    if large_ns <= small_ns:
+        return large / (large_ns * 1e-9)
+    return (large - small) / ((large_ns - small_ns) * 1e-9)
 
 
 def _gemm_flops_per_s(torch, dtype) -> float:
@@ -78,15 +180,18 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
     numbers["bf16_flops"] = _gemm_flops_per_s(torch, torch.bfloat16)
     numbers["fp16_flops"] = _gemm_flops_per_s(torch, torch.float16)
 
-    elements = 32 * 1024  # 3 × 128 KiB: stays in L2, so this is arithmetic, not DRAM
-    x, y, z = torch.randn(elements), torch.randn(elements), torch.randn(elements)
-    vector = profile_kernel(lambda: z.addcmul_(x, y), warmup=3, repeats=9)
-    numbers["vector_flops"] = 2 * elements / (vector.median_ns * 1e-9)
+    numbers["vector_flops"] = _vector_flops_per_s(torch)
 
     source = torch.ones(_BANDWIDTH_BYTES // 4)
     target = torch.empty_like(source)
     copy = profile_kernel(lambda: target.copy_(source), warmup=2, repeats=9, min_sample_ns=50_000_000)
     numbers["bandwidth_bytes_per_s"] = 2 * _BANDWIDTH_BYTES / (copy.median_ns * 1e-9)
+    cache_bytes, cache_bandwidth, note = _measure_cache_tier(
+        torch, torch.get_num_threads(), float(numbers["bandwidth_bytes_per_s"])
+    )
+    numbers["cache_bytes"] = cache_bytes
+    numbers["cache_bandwidth_bytes_per_s"] = cache_bandwidth
+    numbers["cache_note"] = note
 
     one_a, one_b, one_out = torch.ones(1), torch.ones(1), torch.empty(1)
     tiny = profile_kernel(lambda: torch.add(one_a, one_b, out=one_out), warmup=100, repeats=15)
@@ -113,12 +218,18 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         memory_bytes=int(numbers["memory_bytes"]),
         launch_overhead_ns=int(numbers["launch_overhead_ns"]),
         sources={
-            "peak_tflops": f"{probe}: best square torch.mm GEMM (n=1024, 512) per dtype",
+            "peak_tflops": f"{probe}: best square torch.mm GEMM (n=1024, 512) per dtype; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements",
             "bandwidth": f"{probe}: streaming copy_ of a 64 MiB buffer, 2 x 64 MiB per call",
             "memory": f"{probe}: physical RAM (sysconf)",
             "launch_overhead": f"{probe}: median one-element torch.add call",
+            "cache": f"{probe}: {numbers['cache_note']}",
         },
         probed=True,
+        cache_bytes=None if numbers["cache_bytes"] is None else int(numbers["cache_bytes"]),
+        cache_bandwidth_bytes_per_s=(
+            None if numbers["cache_bandwidth_bytes_per_s"] is None
+            else float(numbers["cache_bandwidth_bytes_per_s"])
+        ),
     )
 
 
@@ -131,6 +242,9 @@ _REQUIRED = (
     "launch_overhead_ns",
     "memory_bytes",
     "torch_threads",
+    "cache_bytes",
+    "cache_bandwidth_bytes_per_s",
+    "cache_note",
 )
 
 

@@ -4,8 +4,19 @@ Decided here: how an op's work (:class:`CostEstimate`) becomes a time on a devic
 (:class:`~fuel.cost.spec.DeviceSpec`)::
 
     composite_ns = max(vector_flops / vector_peak + matrix_flops / matrix_peak(dtype),
-                       bytes / bandwidth)
+                       bytes / bandwidth(tier))
                    + launches * launch_overhead + overhead_ns
+
+The memory tier: a device with a cache tier (``DeviceSpec.cache_bytes`` and
+``cache_bandwidth_bytes_per_s``) prices an estimate whose working set — its ``bytes``, every
+operand read once and every result written once — fits in ``cache_bytes`` at the cache
+bandwidth (:attr:`MemoryTier.CACHE`); otherwise, and on a device without a tier, at the DRAM
+bandwidth (:attr:`MemoryTier.DRAM`). The cache tier assumes the operands are resident when the
+op starts, which holds for activations handed from one op to the next and for a kernel called
+repeatedly on the same tensors (how the Judge measures); it is optimistic for an operand read
+cold once per step (a weight in a model larger than the cache), which this per-op view cannot
+see. Time is therefore not monotone in ``bytes`` across the boundary: one byte more than
+``cache_bytes`` moves the op onto the slower tier.
 
 Invariants:
 
@@ -92,6 +103,20 @@ class CostEstimate:
         )
 
 
+class MemoryTier(Enum):
+    """Which bandwidth priced an estimate's bytes."""
+
+    DRAM = "dram"
+    CACHE = "cache"  # the working set fits in the device's cache tier
+
+
+def memory_tier(estimate: CostEstimate, device: DeviceSpec) -> MemoryTier:
+    """The tier whose bandwidth prices ``estimate``'s bytes on ``device`` (module docstring)."""
+    if device.has_cache_tier() and estimate.bytes <= device.cache_bytes:
+        return MemoryTier.CACHE
+    return MemoryTier.DRAM
+
+
 class Bound(Enum):
     """Which side of the roofline set the time."""
 
@@ -109,6 +134,7 @@ class Priced:
     memory_ns: int
     overhead_ns: int
     bound: Bound
+    tier: MemoryTier = MemoryTier.DRAM
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +173,15 @@ def roofline(estimate: CostEstimate, device: DeviceSpec) -> Priced | Unpriced:
             return Unpriced(f"{device.name}: no usable dense matrix peak for dtype {dtype}")
         compute_ns = _saturate(compute_ns + _time_ns(estimate.matrix_flops, peak))
     memory_ns = 0
+    tier = memory_tier(estimate, device)
     if estimate.bytes:
-        if not _usable(device.bandwidth_bytes_per_s):
-            return Unpriced(
-                f"{device.name}: memory bandwidth {device.bandwidth_bytes_per_s!r} is unusable"
-            )
-        memory_ns = _time_ns(estimate.bytes, device.bandwidth_bytes_per_s)
+        if tier is MemoryTier.CACHE:
+            bandwidth, what = device.cache_bandwidth_bytes_per_s, "cache bandwidth"
+        else:
+            bandwidth, what = device.bandwidth_bytes_per_s, "memory bandwidth"
+        if not _usable(bandwidth):
+            return Unpriced(f"{device.name}: {what} {bandwidth!r} is unusable")
+        memory_ns = _time_ns(estimate.bytes, bandwidth)
     launch_ns = _saturate(estimate.launches * max(device.launch_overhead_ns, 0))
     overhead_ns = _saturate(launch_ns + estimate.overhead_ns)
     if compute_ns == 0 and memory_ns == 0:
@@ -162,7 +191,7 @@ def roofline(estimate: CostEstimate, device: DeviceSpec) -> Priced | Unpriced:
     else:
         bound = Bound.MEMORY
     total = _saturate(max(compute_ns, memory_ns) + overhead_ns)
-    return Priced(total, compute_ns, memory_ns, overhead_ns, bound)
+    return Priced(total, compute_ns, memory_ns, overhead_ns, bound, tier)
 
 
 def composite_ns(estimate: CostEstimate, device: DeviceSpec) -> int | None:

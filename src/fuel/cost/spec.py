@@ -14,6 +14,9 @@ Invariants:
 - ``vector_flops`` is the non-matrix-unit FP32 rate; elementwise, reduction and transcendental
   work is priced against it whatever the storage dtype, because those kernels widen to f32
   and never reach the tensor cores.
+- A device has a cache-resident bandwidth tier only when both ``cache_bytes`` and
+  ``cache_bandwidth_bytes_per_s`` are given (:meth:`DeviceSpec.has_cache_tier`); a device
+  without one is priced at ``bandwidth_bytes_per_s`` whatever the working set.
 """
 
 from __future__ import annotations
@@ -84,7 +87,12 @@ class DeviceSpec:
     """One device's roofline numbers and where each came from.
 
     ``sources`` maps a field name (``peak_flops``, ``bandwidth``, ``memory``,
-    ``launch_overhead``) to the datasheet or measurement it was taken from.
+    ``launch_overhead``, and ``cache`` when the device has a cache tier) to the datasheet or
+    measurement it was taken from.
+
+    ``cache_bytes`` / ``cache_bandwidth_bytes_per_s``: the optional cache-resident tier. An op
+    whose whole working set (its ``CostEstimate.bytes``) fits in ``cache_bytes`` streams at
+    the cache bandwidth instead of the DRAM bandwidth (see :mod:`fuel.cost.roofline`).
     """
 
     name: str
@@ -97,6 +105,11 @@ class DeviceSpec:
     launch_overhead_ns: int
     sources: dict[str, str] = field(default_factory=dict)
     probed: bool = False
+    cache_bytes: int | None = None
+    cache_bandwidth_bytes_per_s: float | None = None
+
+    def has_cache_tier(self) -> bool:
+        return self.cache_bytes is not None and self.cache_bandwidth_bytes_per_s is not None
 
     def matrix_peak(self, dtype: str) -> float | None:
         """Dense matrix FLOP/s for a dtype, or None when the device has no such peak."""

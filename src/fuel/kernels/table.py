@@ -40,6 +40,8 @@ OpKey = OpKind | int
 KernelFactory = Callable[[Node], Callable[..., Any]]
 CostFn = Callable[[Node, Sequence[Node]], float | None]
 """A kernel's own estimate in nanoseconds for a node given its input nodes; ``None`` = unknown."""
+CallsFn = Callable[[Node, Sequence[Node]], int]
+"""How many operator calls a kernel dispatches for a node given its input nodes (``KernelEntry.calls``)."""
 
 
 class Precision(Enum):
@@ -70,6 +72,10 @@ class KernelEntry:
     precision: Precision = Precision.EXACT
     cost_fn: CostFn | None = None
     kernel_source: str = ""
+    calls: CallsFn | None = None
+    """Framework operator calls one invocation dispatches for the node (every aten op torch's
+    dispatcher sees, views included); ``None`` = one. The cost layer charges one launch
+    overhead per call (``fuel.cost.estimate_for_kernel``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ result stay u32; only the kernel's internals widen.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from fuel.graph.dtype import FLOAT_DTYPES, BackendId, DType
 from fuel.graph.ir import Node, Prim
 from fuel.graph.ops import OpKind, Predicate
 from fuel.graph.registry import FlashAttn, FusedOps
-from fuel.kernels.table import KernelBindingTable, KernelEntry, KernelFactory, Precision
+from fuel.kernels.table import CallsFn, KernelBindingTable, KernelEntry, KernelFactory, Precision
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.BOOL: torch.bool, DType.U8: torch.uint8, DType.I8: torch.int8, DType.U32: torch.uint32,
@@ -260,6 +260,57 @@ _FUSED: dict[FusedOps, tuple[KernelFactory, frozenset[str], Callable[[DType], It
 """The fused ops with a real torch kernel. Not here on purpose: PAGED_ATTN, RESIDUAL_ADD_RMS_NORM."""
 
 
+def _flash_attn_calls(node: Node, inputs: Sequence[Node]) -> int:
+    """Operator calls :func:`_flash_attn`'s kernel dispatches: SDPA is one; the bottom-right
+    causal mask adds arange, unsqueeze, add, arange, le and SDPA's conversion of a bool mask
+    two scalar_tensor and a where; the soft-capped path is 26 (two repeat_interleave of four
+    calls, transpose, two torch.matmul of six, mul, div, tanh, mul, softmax), four f32
+    widenings more when the dtype is not f32, and the mask with bitwise_not and masked_fill
+    when causal."""
+    params: FlashAttn = node.op.params
+    if params.softcap is None:
+        if not params.causal:
+            return 1
+        square = inputs[0].shape.dims[-2] == inputs[1].shape.dims[-2]  # SDPA's own causal flag
+        return 1 if square else 9
+    widen = 0 if node.dtype is DType.F32 else 4
+    return 26 + widen + (7 if params.causal else 0)
+
+
+def _matmul_calls(node: Node, inputs: Sequence[Node]) -> int:
+    """Operator calls torch.matmul dispatches for these ranks: mm alone; a batched left
+    operand against a matrix folds into view, mm, _unsafe_view; equal batch dims go through
+    expand, view, expand, view, bmm, _unsafe_view; a batch that must broadcast adds a copy
+    (or, for a left batch of one, a squeeze and a transpose)."""
+    a, b = inputs[0].shape.dims, inputs[1].shape.dims  # the graph's matmul has rank >= 2
+    if len(b) == 2:
+        return 1 if len(a) == 2 else 3
+    if len(a) == len(b) and a[:-2] == b[:-2]:
+        return 6
+    return 8 if len(a) == len(b) and all(d == 1 for d in a[:-2]) else 7
+
+
+def _linear_calls(node: Node, inputs: Sequence[Node]) -> int:
+    """F.linear: t and mm (addmm with a bias); a batched input adds a view in and out."""
+    return 2 if len(inputs[0].shape.dims) == 2 else 4
+
+
+_CALLS: dict[FusedOps, CallsFn] = {
+    FusedOps.ROPE: lambda node, inputs: 6,  # split (chunk), mul, neg, cat, mul, add
+    FusedOps.SILU_MUL: lambda node, inputs: 2,  # silu, mul
+    FusedOps.FUSED_LINEAR: _linear_calls,
+    FusedOps.FLASH_ATTN: _flash_attn_calls,
+}
+"""Operator calls of the fused kernels that dispatch more than one (``KernelEntry.calls``); the
+others (softmax, layer_norm) dispatch one."""
+
+_CPU_CALLS: dict[FusedOps, CallsFn] = {
+    # F.rms_norm decomposes on the CPU into pow, mean, add_ (eps), rsqrt, mul (and mul by the
+    # gain); its CUDA count was not measured here, so only the CPU entry declares it.
+    FusedOps.RMS_NORM: lambda node, inputs: 6 if node.op.params.has_gain else 5,
+}
+
+
 def torch_table(backend: BackendId = BackendId.CPU) -> KernelBindingTable:
     """Bind the torch kernels for ``backend`` (``cpu`` or ``cuda``)."""
     table = KernelBindingTable()
@@ -267,12 +318,15 @@ def torch_table(backend: BackendId = BackendId.CPU) -> KernelBindingTable:
     for kind, factory in _prim_factories().items():
         for signature in _prim_signatures(kind):
             bound = _via_int64(factory, signature[-1]) if DType.U32 in signature else factory
-            table.bind(kind, signature, backend, KernelEntry(bound, kernel_source=source))
+            calls = _matmul_calls if kind is OpKind.MATMUL else None
+            table.bind(kind, signature, backend, KernelEntry(bound, kernel_source=source, calls=calls))
+    calls_here = _CPU_CALLS if backend is BackendId.CPU else {}
     for fused_id, (factory, caps, signatures) in _FUSED.items():
         for dtype in FLOAT_DTYPES:
             for signature in signatures(dtype):
                 table.bind(fused_id, signature, backend, KernelEntry(
-                    factory, caps, Precision.RECIPE_TOLERANCE, kernel_source=source))
+                    factory, caps, Precision.RECIPE_TOLERANCE, kernel_source=source,
+                    calls=_CALLS.get(fused_id, calls_here.get(fused_id))))
     return table
 
 
