@@ -425,10 +425,20 @@ def {name}(out, q, k_cache, v_cache, block_table, context_lens, scale, softcap):
                 for t in range(visible):
                     block = np.int64(block_table[b, t // block_size])
                     offset = t % block_size
-                    s = 0.0
-                    for d in range(head_dim):
-                        s += q[b, h, i, d] * k_cache[block, offset, kv, d]
-                    s = s * scale{softcap}
+                    # Four partial sums: a single f64 accumulator is a serial dependency
+                    # chain (no fastmath reordering); four chains run ~4x faster.
+                    s0 = 0.0
+                    s1 = 0.0
+                    s2 = 0.0
+                    s3 = 0.0
+                    for d in range(0, head_dim - head_dim % 4, 4):
+                        s0 += q[b, h, i, d] * k_cache[block, offset, kv, d]
+                        s1 += q[b, h, i, d + 1] * k_cache[block, offset, kv, d + 1]
+                        s2 += q[b, h, i, d + 2] * k_cache[block, offset, kv, d + 2]
+                        s3 += q[b, h, i, d + 3] * k_cache[block, offset, kv, d + 3]
+                    for d in range(head_dim - head_dim % 4, head_dim):
+                        s0 += q[b, h, i, d] * k_cache[block, offset, kv, d]
+                    s = ((s0 + s1) + (s2 + s3)) * scale{softcap}
                     scores[t] = s
                     if s > top:
                         top = s
@@ -491,8 +501,10 @@ class _PagedRunner:
         out = torch.empty(q32.shape, dtype=torch.float32)
         work = q32.numel() * block_table.shape[1] * k_cache.shape[1]
         tasks = q.shape[0] * k_cache.shape[2]
-        kernel = self._parallel if work >= PARALLEL_MIN_ELEMENTS and tasks > 1 and self._threads > 1 \
-            else self._serial
+        # Parallel only when the (sequence, kv head) tasks split evenly enough to pay for
+        # waking the pool: with fewer than two tasks per thread one thread does most of it.
+        kernel = self._parallel if work >= PARALLEL_MIN_ELEMENTS and self._threads > 1 \
+            and tasks >= 2 * self._threads else self._serial
         kernel(out.numpy(), q32.numpy(), k32.numpy(), v32.numpy(),
                block_table.contiguous().numpy(), context_lens.contiguous().numpy(),
                self._scale, self._softcap)

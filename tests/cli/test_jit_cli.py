@@ -1,0 +1,52 @@
+"""`fuel jit MODEL --device cpu`: every decode-step region with the carrier's and the
+synthesizer's answer, the verification error and the measured speeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fuel.cli.app import main
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUEL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_jit_json_lists_requests_answers_errors_and_speeds(capsys):
+    assert main(["jit", "smollm2-135m", "--device", "cpu", "--context", "64", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    by_region = {r["region"]: r for r in document["records"]}
+    assert set(by_region) == {"residual_add_rms_norm", "rms_norm", "rope", "paged_attn",
+                              "silu_mul", "o_proj"}
+    # The CPU's deliberate gaps make requests; the rest decline at the carrier.
+    for covered in ("rms_norm", "rope", "silu_mul", "o_proj"):
+        assert by_region[covered]["request"] is None
+        assert by_region[covered]["answer"].startswith("carrier declined")
+    residual = by_region["residual_add_rms_norm"]
+    assert residual["request"] == "f32[1, 576], f32[1, 576], f32[576], f32[2, 1, 576]"
+    paged = by_region["paged_attn"]
+    assert paged["request"] == ("f32[1, 9, 1, 64], f32[8, 16, 3, 64], f32[8, 16, 3, 64], "
+                                "u32[1, 4], u32[1], f32[1, 9, 1, 64]")
+    for record in (residual, paged):
+        assert record["synthesizer"] == "numba"
+        assert record["max_abs_error"] < 2e-5
+        assert record["kernel_ns"] > 0 and record["decomposed_ns"] > 0
+        assert record["speedup"] == pytest.approx(record["decomposed_ns"] / record["kernel_ns"])
+        assert record["answer"].split(":")[0] in ("adopted", "rejected")
+    assert "not yet the lowered model graph" in document["note"]
+
+
+def test_jit_text_names_each_region_and_the_speed_line(capsys):
+    assert main(["jit", "smollm2-135m", "--context", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "residual_add_rms_norm -> [2, 1, 576]" in out
+    assert "paged_attn -> [1, 9, 1, 64]" in out
+    assert "verification: max abs error" in out and "vs decomposed" in out
+
+
+def test_jit_refuses_an_unknown_device_in_one_line(capsys):
+    assert main(["jit", "smollm2-135m", "--device", "tpu"]) == 2
+    assert "`tpu` is not a device" in capsys.readouterr().err
