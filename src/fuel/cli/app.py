@@ -30,6 +30,7 @@ from fuel.cli import plan as _plan  # noqa: E402,F401
 from fuel.cli import devices as _devices  # noqa: E402,F401
 from fuel.cli import judge as _judge  # noqa: E402,F401
 from fuel.cli import explain as _explain  # noqa: E402,F401
+from fuel.cli import jit as _jit  # noqa: E402,F401
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
