@@ -163,3 +163,23 @@ def test_the_parallel_variant_matches_too(numba_synth):
     check = verify(kernel.run(*feeds.values()), reference(g, node, feeds), RECIPE_TOLERANCE[F32])
     assert check.ok, check.report
     assert torch.isfinite(kernel.run(*feeds.values())).all()
+
+
+def test_a_corrupt_compiled_cache_is_recompiled_not_trusted(tmp_path):
+    # Why: a cache written by another numba or a crashed process must never break synthesis.
+    import sys
+
+    g, node = fused_node(FusedOps.SILU_MUL, FusedOpParams.SiluMul(), [[2, 8], [2, 8]], [F32, F32])
+    request = request_for(g, node)
+    first = synthesize_and_take(NumbaSynthesizer(tmp_path), request)
+    stem = first.entry_point.split(":")[1]
+    for index in (tmp_path / "__pycache__").glob(f"{stem}.*.nbi"):
+        index.write_bytes(b"not a numba index")
+    for data in (tmp_path / "__pycache__").glob(f"{stem}.*.nbc"):
+        data.write_bytes(b"garbage")
+    for name in [n for n in sys.modules if n.endswith(stem)]:
+        del sys.modules[name]
+    second = synthesize_and_take(NumbaSynthesizer(tmp_path), request)
+    feeds = {"a": torch.randn(2, 8), "b": torch.randn(2, 8)}
+    torch.testing.assert_close(second.run(*feeds.values()),
+                               torch.nn.functional.silu(feeds["a"]) * feeds["b"])

@@ -52,6 +52,12 @@ def has_compiled(path: Path) -> bool:
     return any((path.parent / "__pycache__").glob(f"{path.stem}.*.nbi"))
 
 
+def drop_compiled(path: Path) -> None:
+    """Remove numba's cached objects for the module at ``path`` (they failed to load)."""
+    for stale in (path.parent / "__pycache__").glob(f"{path.stem}.*.nb[ic]"):
+        stale.unlink(missing_ok=True)
+
+
 def import_module(path: Path) -> ModuleType:
     """Import the kernel module at ``path`` under a name unique to its folder and key."""
     folder = hashlib.sha256(str(path.parent).encode()).hexdigest()[:12]

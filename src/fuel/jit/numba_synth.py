@@ -96,7 +96,17 @@ class NumbaSynthesizer:
         from_cache = cache.has_compiled(path)
         started = time.perf_counter()
         try:
-            module = cache.import_module(path)
+            try:
+                module = cache.import_module(path)
+            except Exception:
+                if not from_cache:
+                    raise
+                # A stale or corrupt compiled cache is dropped and the kernel compiled afresh,
+                # never trusted; a second failure is the compiler's answer.
+                cache.drop_compiled(path)
+                from_cache = False
+                started = time.perf_counter()
+                module = cache.import_module(path)
         except Exception as error:  # noqa: BLE001 — a compiler failure is this kernel's "no"
             return Declined(f"numba could not compile the generated kernel: "
                             f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
