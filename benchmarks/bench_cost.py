@@ -5,8 +5,10 @@ Run:  .venv/bin/python benchmarks/bench_cost.py [--model smollm2-135m] [--thread
 Probes ``cpu-local`` with the same torch thread count the kernels run with (the probe is cached
 per thread count; ``--reprobe`` measures it again), measures every workload of the model's
 kernel families through the CPU binding table (fuel.cost.campaign), prices each with the
-roofline on ``cpu-local``, and prints predicted/measured per workload, then per family the
-median |log(pred/measured)| against the log(2) target. ``--threads 1`` is the default because
+roofline on ``cpu-local`` (one launch per operator call the bound kernel dispatches; bytes at
+the cache tier when the working set fits, else DRAM — the ``tier`` column), and prints
+predicted/measured per workload, then per family the median |log(pred/measured)| against the
+log(2) target. ``--threads 1`` is the default because
 a shared 2-core machine makes multi-threaded timings wait on descheduled threads (the spread
 column shows it); pass ``--threads 0`` to keep torch's default.
 """
@@ -44,22 +46,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu-local: fp32 {spec.peak_flops[next(iter(spec.peak_flops))] / 1e9:.0f} GFLOP/s, "
           f"vector {spec.vector_flops / 1e9:.1f} GFLOP/s, {spec.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
           f"launch {spec.launch_overhead_ns} ns, threads {threads or 'default'}")
+    if spec.has_cache_tier():
+        print(f"cache tier: {spec.cache_bytes / 2**20:.2f} MiB at {spec.cache_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+    else:
+        print(f"no cache tier: {spec.sources.get('cache', '')}")
     dims = ModelDims.from_config(zoo.config(args.model))
     store = JudgeStore.open(args.store) if args.store else None
     results = run_campaign(workloads(dims, DType(args.dtype)), store)
     if store is not None:
         store.close()
 
-    print(f"\n{'family':18} {'size':26} {'bound':8} {'pred us':>10} {'meas us':>10} {'spread':>8} {'pred/meas':>9}")
+    print(f"\n{'family':18} {'size':26} {'bound':8} {'tier':5} {'calls':>5} {'pred us':>10} {'meas us':>10} "
+          f"{'spread':>8} {'pred/meas':>9}")
     per_family: dict[str, list[float]] = {}
     for result in results:
         if not isinstance(result, Measured):
             print(f"{result.workload.family:18} {result.workload.label:26} skipped: {result.reason}")
             continue
         predicted = composite_ns(result.estimate, spec)
-        bound = roofline(result.estimate, spec).bound.value
+        priced = roofline(result.estimate, spec)
+        bound, tier = priced.bound.value, priced.tier.value
         measured = result.measurement.median_ns
-        print(f"{result.row.op:18} {result.workload.label:26} {bound:8} {predicted / 1e3:10.1f} "
+        print(f"{result.row.op:18} {result.workload.label:26} {bound:8} {tier:5} {result.estimate.launches:5} "
+              f"{predicted / 1e3:10.1f} "
               f"{measured / 1e3:10.1f} {result.measurement.spread_ns / 1e3:8.1f} {predicted / measured:9.2f}")
         per_family.setdefault(result.row.op, []).append(log_ratio(predicted, measured))
 
