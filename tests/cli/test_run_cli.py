@@ -1,0 +1,124 @@
+"""``fuel run`` and ``fuel demo``: real generation with a report, and one clear error line (no
+traceback) for a missing or corrupt model file, mismatched checkpoint tensors, and a prompt
+longer than the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fuel.cli import main
+
+
+@pytest.fixture(scope="module")
+def fuel_cache(tmp_path_factory) -> Path:
+    configured = os.environ.get("FUEL_CACHE_DIR")
+    return Path(configured) if configured else tmp_path_factory.mktemp("fuel-cache")
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(fuel_cache, monkeypatch):
+    # One conversion of the default GGUF serves every command of this module.
+    monkeypatch.setenv("FUEL_CACHE_DIR", str(fuel_cache))
+
+
+@pytest.fixture(scope="module")
+def smollm2_weights(fuel_cache):
+    from fuel.runtime.weights import load_weights
+
+    return load_weights(cache=fuel_cache, progress=False)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_weights):
+    from fuel.runtime.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_weights.source.folder)
+
+
+@pytest.fixture(scope="module")
+def smollm2_oracle(smollm2_weights):
+    from fuel.runtime.oracle import oracle_for
+
+    return oracle_for(smollm2_weights)
+
+
+def _error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+@pytest.mark.slow
+def test_run_json_reports_rate_steps_digests_and_bakes(capsys, smollm2_weights, smollm2_oracle,
+                                                        smollm2_tokenizer):
+    assert main(["run", "--prompt", "Name a planet.", "-n", "8", "--threads", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ids = smollm2_tokenizer.encode(smollm2_tokenizer.format_prompt("Name a planet."))
+    assert report["tokens"][0] == smollm2_oracle.greedy(ids, 8, stop=[smollm2_tokenizer.eos_id])
+    assert report["decode_tokens_per_s"] > 0
+    assert report["steps"]["decode"]["launches_per_step"] == 243  # the golden decode plan's count
+    assert "d3e429d14810b593fb36099d70eba4896f871338572330a2929fa04192c7be85" in report["plan_digests"]
+    assert any("paged_attn x30" in row["decisions"] for row in report["bake_decisions"])
+
+
+@pytest.mark.slow
+def test_run_with_speculation_and_batch_reports_acceptance(capsys, smollm2_weights):
+    argv = ["run", "-p", "Count to five.", "-n", "6", "--speculate", "2", "--drafter",
+            "prompt-lookup", "--batch", "2", "--threads", "2", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sequences"] == 2
+    assert report["tokens"][0] == report["tokens"][1]
+    assert report["speculation"]["drafter"] == "prompt-lookup"
+    assert 0 <= report["speculation"]["accepted"] <= report["speculation"]["proposed"]
+
+
+@pytest.mark.slow
+def test_demo_streams_text_and_prints_the_report(capsys, smollm2_weights):
+    assert main(["demo", "-n", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "steps by mode" in out and "bake decisions" in out
+
+
+def test_missing_model_file_is_one_error_line(capsys, tmp_path):
+    assert main(["run", str(tmp_path / "absent.gguf"), "-n", "2"]) == 2
+    err = _error_line(capsys)
+    assert "absent.gguf" in err
+
+
+def test_corrupt_gguf_is_one_error_line(capsys, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really" * 8)
+    assert main(["run", str(bad), "-n", "2"]) == 2
+    assert "bad.gguf" in _error_line(capsys)
+
+
+@pytest.mark.slow
+def test_checkpoint_with_a_misshaped_tensor_names_it_and_its_shapes(capsys, tmp_path, smollm2_weights):
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    shutil.copy(Path(smollm2_weights.source.folder) / "config.json", folder / "config.json")
+    tensors = {name: tensor for name, tensor in smollm2_weights.tensors.items()}
+    tensors["model.layers.3.mlp.down_proj.weight"] = torch.zeros(576, 1000)
+    save_file(tensors, str(folder / "model.safetensors"))
+    shutil.copy(Path(smollm2_weights.source.folder) / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copy(Path(smollm2_weights.source.folder) / "tokenizer_config.json", folder / "tokenizer_config.json")
+    assert main(["run", str(folder), "-n", "2"]) == 2
+    err = _error_line(capsys)
+    assert "model.layers.3.mlp.down_proj.weight" in err
+    assert "[576, 1000]" in err and "[576, 1536]" in err
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_the_cache_is_one_error_line(capsys, smollm2_weights):
+    assert main(["run", "-p", "word " * 40, "-n", "4", "--max-context", "32"]) == 2
+    err = _error_line(capsys)
+    assert "at most 32" in err
