@@ -137,26 +137,33 @@ def test_an_artifact_already_taken_is_not_adopted():
     assert record.outcome is Outcome.NOT_HANDED_OVER
 
 
-def test_the_adopted_latency_reaches_the_judge(numba_synth, tmp_path):
-    # Why: the bake prices the runtime arm from the Judge under the key its provider reads.
-    from fuel.cost import JudgeOracle, JudgeStore, size_class_of
+def test_the_adopted_latency_reaches_the_judge_under_the_regions_stable_key(numba_synth,
+                                                                           tmp_path):
+    # Why: the bake prices the runtime arm from the Judge under the key its provider reads, and
+    # that key names the region (not the per-process runtime id).
+    from fuel.cost import JudgeOracle, JudgeStore
     from fuel.graph import Graph, Node, RuntimeFusedParams
     from fuel.graph.ir import Fused
-    from fuel.graph.registry import fused_name
+    from fuel.graph.recipe import structural_hash
+    from fuel.optimize import judge_key
 
     g, node = fused_node(*RESIDUAL)
     path = tmp_path / "judge.sqlite"
+    registry = RuntimeFusedRegistry()
+    request = request_for(g, node)
     with JudgeStore.open(path) as store:
-        record = adopt(numba_synth, request_for(g, node), BackendId.CPU, table=cpu_table(),
-                       registry=RuntimeFusedRegistry(), store=store)
+        record = adopt(numba_synth, request, BackendId.CPU, table=cpu_table(),
+                       registry=registry, store=store)
     assert record.outcome is Outcome.ADOPTED
     probe = Graph()
     ins = [probe.input(f"i{k}", s, F32) for k, s in enumerate(RESIDUAL[2])]
     runtime_node = probe.push(Node(Fused(record.runtime_id, RuntimeFusedParams()), tuple(ins),
                                    g.node(node).shape, F32))
+    op, size_class = judge_key(probe, runtime_node, runtime=registry)
+    assert op == f"jit:{structural_hash(request.region)[:16]}"
+    assert size_class == "io:e9,e9,e9>e10"  # [1,576] x2, [576] -> out [2,1,576]
     oracle = JudgeOracle.load(path)
-    assert oracle.measured_latency_ns(fused_name(record.runtime_id), "f32",
-                                      size_class_of(probe, runtime_node), "cpu",
+    assert oracle.measured_latency_ns(op, "f32", size_class, "cpu",
                                       KERNEL_SOURCE) == record.kernel_ns
 
 

@@ -82,7 +82,7 @@ class FixedJudge:
 def test_the_bake_picks_the_adopted_arm_only_when_measured_faster(numba_synth, measured_ns,
                                                                    winner):
     # Why: adoption offers an arm; it is the Judge's number against arm 0's that decides.
-    from fuel.graph.registry import fused_name
+    from fuel.optimize import runtime_judge_name
 
     table, registry = cpu_table(), RuntimeFusedRegistry()
     g, root = residual_step()
@@ -93,7 +93,7 @@ def test_the_bake_picks_the_adopted_arm_only_when_measured_faster(numba_synth, m
     g, root = residual_step()
     result = optimize_graph(g, [root], OptimizeOptions(
         table=table, runtime=registry, device_spec=device("cpu-local"),
-        judge=FixedJudge(fused_name(record.runtime_id), measured_ns)))
+        judge=FixedJudge(runtime_judge_name(registry.get(record.runtime_id).hash), measured_ns)))
     (decision,) = result.decisions
     assert decision.arms[1].cost_ns == measured_ns
     assert decision.winner == winner and result.bakes == winner

@@ -18,8 +18,9 @@ Decides whether a kernel a synthesizer handed over may run in place of its regio
    kernel under ``(runtime id, input dtypes then output dtype, backend)`` with the synthesizer's
    ``kernel_source``, its precision (recipe tolerance) and a cost function answering the
    measured latency for the verified shapes, and record the latency in the Judge's store under
-   the key the Judge-aware cost provider reads (op ``fused_name(id)``, output dtype, the shared
-   size class, backend, kernel source).
+   the key the Judge-aware cost provider reads (``fuel.optimize.providers.judge_key``: the
+   region's stable ``jit:<hash>`` name and operand size class, output dtype, backend, kernel
+   source), so the measurement is found in later processes whatever id the region gets there.
 
 Every outcome is an :class:`AdoptionRecord` with its reason and numbers; nothing here raises for
 an ordinary "no". This module measures and runs kernels: it is an edge, never called from the
@@ -176,7 +177,8 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
         lambda node: run, frozenset({"gqa", "softcap"}) if match_paged(request.region) else
         frozenset(), Precision.RECIPE_TOLERANCE, cost, kernel.kernel_source))
     if store is not None:
-        _record_latency(store, bench, runtime_id, backend, kernel.kernel_source, measured)
+        _record_latency(store, bench, runtime_id, registry, backend, kernel.kernel_source,
+                        measured)
     speedup = decomposed_ns / kernel_ns
     return record(Outcome.ADOPTED, f"verified (max error {check.max_abs_error:.2e}) and "
                   f"{speedup:.2f}x faster than the decomposed region",
@@ -291,24 +293,23 @@ def _generate(request: JitRequest, generator) -> list[Any] | str:
     return inputs
 
 
-def _record_latency(store: Any, bench: _Bench, runtime_id: int, backend: BackendId,
-                    kernel_source: str, measured: Any) -> None:
-    from fuel.cost.estimate import size_class_of
+def _record_latency(store: Any, bench: _Bench, runtime_id: int, registry: RuntimeFusedRegistry,
+                    backend: BackendId, kernel_source: str, measured: Any) -> None:
     from fuel.cost.fingerprint import device_fingerprint, library_versions
     from fuel.cost.store import StoredMeasurement
+    from fuel.kernels.torch_kernels import TORCH_DTYPES
+    from fuel.optimize.providers import judge_key
 
     graph = bench.graph
     reference = bench.reference
-    from fuel.kernels.torch_kernels import TORCH_DTYPES
-
     dtype = next(d for d, t in TORCH_DTYPES.items() if t == reference.dtype)
     node = graph.push(Node(Fused(runtime_id, RuntimeFusedParams()), bench.node_inputs,
                            _shape(tuple(reference.shape)), dtype))
-    size_class = size_class_of(graph, node)
-    if size_class is None:
+    cell = judge_key(graph, node, runtime=registry)
+    if cell is None:
         return
     store.record(StoredMeasurement(
-        op=fused_name(runtime_id), dtype=dtype.value, size_class=size_class,
+        op=cell[0], dtype=dtype.value, size_class=cell[1],
         backend=backend.value, kernel_source=kernel_source,
         device_fingerprint=device_fingerprint(backend.value), library_versions=library_versions(),
         median_ns=measured.median_ns, spread_ns=measured.spread_ns, samples=measured.samples))

@@ -12,7 +12,8 @@ from fuel.optimize.pathfinders import (
     FlashAdmission, offer_decode_flash_arms, offer_placement_forks, offer_runtime_fused_arms,
 )
 from fuel.optimize.providers import (
-    Pricing, decode_arm_composite_ns, decode_arm_composite_ns_judged, price_arm, recipe_estimate,
+    Pricing, decode_arm_composite_ns, decode_arm_composite_ns_judged, judge_key, price_arm,
+    recipe_estimate, runtime_judge_name,
 )
 from fuel.optimize.variant_bake import (
     ArmCostFn, ArmDeclined, ArmPrice, ArmPricer, BakeOutcome, BakePolicy, NodePrice, arm_location,
@@ -24,6 +25,7 @@ __all__ = [
     "BranchKind", "CostSource", "Decision", "FlashAdmission", "Lowering", "NodePrice", "Offer",
     "OptimizeOptions", "OptimizedGraph", "Pricing", "Reason", "ResidencyCopy", "arm_location",
     "bake", "bake_variant_branches", "decode_arm_composite_ns", "decode_arm_composite_ns_judged",
-    "offer_decode_flash_arms", "offer_placement_forks", "offer_runtime_fused_arms",
-    "optimize_graph", "price_arm", "recipe_estimate", "variant_bakes_thread_local",
+    "judge_key", "offer_decode_flash_arms", "offer_placement_forks", "offer_runtime_fused_arms",
+    "optimize_graph", "price_arm", "recipe_estimate", "runtime_judge_name",
+    "variant_bakes_thread_local",
 ]

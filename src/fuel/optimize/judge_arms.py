@@ -7,7 +7,8 @@ node of each arm is resolved through the binding table exactly as the executor w
 graph up to it on the given feeds, and the kernel alone is profiled
 (:func:`fuel.cost.profile_kernel`). The row is keyed as the profiler keys every row (op name,
 output dtype, the shared size class, backend, kernel source, this machine's fingerprint and
-library versions), so ``decode_arm_composite_ns_judged`` finds it.
+library versions), so ``decode_arm_composite_ns_judged`` finds it; an adopted kernel under its
+region's stable name (``providers.judge_key``), so a later process finds it too.
 
 This module reads the clock and runs kernels: an edge. It is not imported by
 ``fuel.optimize``'s planning modules; torch is imported inside the functions.
@@ -15,10 +16,9 @@ This module reads the clock and runs kernels: an edge. It is not imported by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from fuel.cost.estimate import judge_op_name, size_class_of
 from fuel.cost.fingerprint import device_fingerprint, library_versions
 from fuel.cost.judge import JudgeOracle
 from fuel.cost.profile import Measurement, profile_kernel
@@ -26,7 +26,9 @@ from fuel.cost.store import StoredMeasurement
 from fuel.graph.branch import arm_interiors, lower
 from fuel.graph.dtype import BackendId
 from fuel.graph.ir import Fused, Graph, NodeId, Prim
+from fuel.graph.registry import RuntimeFusedRegistry
 from fuel.kernels.table import KernelBindingTable, key_dtypes, op_key, required_caps
+from fuel.optimize.providers import judge_key
 
 
 def _values(graph: Graph, nodes: tuple[NodeId, ...], table: KernelBindingTable,
@@ -40,34 +42,64 @@ def _values(graph: Graph, nodes: tuple[NodeId, ...], table: KernelBindingTable,
 def measure_branch(graph: Graph, branch: NodeId, feeds: Mapping[str, Any],
                    table: KernelBindingTable, backend: BackendId = BackendId.CPU, *,
                    weights=None, symbols: Mapping[str, int] | None = None,
+                   runtime: RuntimeFusedRegistry | None = None,
                    **profile_options) -> list[StoredMeasurement]:
     """One row per distinct Judge key among the arms' interior nodes (the fastest if a key
     repeats, as the store keeps it)."""
-    rows: dict[tuple[str, ...], StoredMeasurement] = {}
+    return measure_branches(graph, (branch,), feeds, table, backend, weights=weights,
+                            symbols=symbols, runtime=runtime, **profile_options)
+
+
+def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[str, Any],
+                     table: KernelBindingTable, backend: BackendId = BackendId.CPU, *,
+                     weights=None, symbols: Mapping[str, int] | None = None,
+                     runtime: RuntimeFusedRegistry | None = None,
+                     known: Callable[[tuple[str, ...]], bool] = lambda key: False,
+                     profile: Callable[..., Measurement] = profile_kernel,
+                     **profile_options) -> list[StoredMeasurement]:
+    """Measure every arm node of ``branches`` whose Judge key is not ``known`` yet.
+
+    The values the measured nodes read are computed by one run of the graph up to them (arm 0
+    routes), then each node's kernel is profiled alone on them. Nodes sharing a Judge key are
+    measured once (the first in id order: every layer of a model repeats the same regions).
+    ``runtime`` keys adopted kernels by their region (``providers.judge_key``); ``profile`` is
+    the timing function (tests inject a forced one).
+    """
     fingerprint, libraries = device_fingerprint(backend.value), library_versions()
-    for interior in arm_interiors(graph, branch):
-        for node_id in sorted(interior):
-            node = graph.node(node_id)
-            if not isinstance(node.op, Prim | Fused):
-                continue
-            entry = table.lookup(op_key(node.op), key_dtypes(graph, node_id), backend,
-                                 required_caps(node))
-            inputs = node.inputs
-            values = _values(graph, tuple(dict.fromkeys(inputs)), table, backend, feeds, weights)
-            args = [values[i] for i in inputs]
-            kernel = entry.kernel(node)
-            measured = profile_kernel(lambda: kernel(*args), **profile_options)
-            row = StoredMeasurement(
-                op=judge_op_name(node), dtype=node.dtype.value,
-                size_class=size_class_of(graph, node_id, symbols=symbols),
-                backend=backend.value, kernel_source=entry.kernel_source,
-                device_fingerprint=fingerprint, library_versions=libraries,
-                median_ns=measured.median_ns, spread_ns=measured.spread_ns,
-                samples=measured.samples)
-            key = row.key()
-            if key not in rows or row.median_ns < rows[key].median_ns:
-                rows[key] = row
-    return [rows[key] for key in sorted(rows)]
+    wanted: dict[tuple[str, ...], tuple[NodeId, str, str]] = {}
+    for branch in branches:
+        for interior in arm_interiors(graph, branch):
+            for node_id in sorted(interior):
+                node = graph.node(node_id)
+                if not isinstance(node.op, Prim | Fused):
+                    continue
+                cell = judge_key(graph, node_id, symbols=symbols, runtime=runtime)
+                if cell is None:
+                    continue
+                entry = table.lookup(op_key(node.op), key_dtypes(graph, node_id), backend,
+                                     required_caps(node))
+                key = (cell[0], node.dtype.value, cell[1], backend.value, entry.kernel_source)
+                if key not in wanted and not known(key):
+                    wanted[key] = (node_id, cell[1], entry.kernel_source)
+    if not wanted:
+        return []
+    needed = tuple(sorted({i for node_id, _, _ in wanted.values()
+                           for i in graph.node(node_id).inputs}))
+    values = _values(graph, needed, table, backend, feeds, weights)
+    rows = []
+    for (op, dtype, size_class, _, source), (node_id, _, _) in sorted(wanted.items()):
+        node = graph.node(node_id)
+        entry = table.lookup(op_key(node.op), key_dtypes(graph, node_id), backend,
+                             required_caps(node))
+        args = [values[i] for i in node.inputs]
+        kernel = entry.kernel(node)
+        measured = profile(lambda: kernel(*args), **profile_options)
+        rows.append(StoredMeasurement(
+            op=op, dtype=dtype, size_class=size_class, backend=backend.value,
+            kernel_source=source, device_fingerprint=fingerprint, library_versions=libraries,
+            median_ns=measured.median_ns, spread_ns=measured.spread_ns,
+            samples=measured.samples))
+    return rows
 
 
 def oracle_from(rows: list[StoredMeasurement], backend: BackendId = BackendId.CPU) -> JudgeOracle:

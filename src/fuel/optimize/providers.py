@@ -19,6 +19,13 @@ Decides how an arm is priced for the bake.
   behaviour: such an arm never wins). With ``Pricing.price_runtime_fused`` they are priced by
   composing their recipe: the primitives' FLOPs, the bytes crossing the region's boundary
   (inputs read once, output written once) and one launch.
+- The Judge key of a node (:func:`judge_key`) is the profiler's (op name, shared size class),
+  except for a runtime fused op whose region the registry knows: its op is ``jit:<first 16 hex
+  of the region's structural hash>`` and its size class the log2 buckets of every operand
+  (inputs, then ``>`` the output: ``io:e10,e20,e20,e3,e0>e10``). Runtime ids follow
+  registration order and differ between processes; the region's hash does not, so a kernel
+  measured in one run is found by the next. The operand buckets keep what the output's size
+  hides (paged attention's block-table width, hence its KV length).
 
 Invariants: pure (reads the graph, the table, the spec and the Judge snapshot; mutates nothing);
 never raises for a well-formed graph — every "cannot price" is an :class:`ArmDeclined`.
@@ -32,6 +39,7 @@ from types import MappingProxyType
 
 from fuel.cost.estimate import Unestimated, estimate, judge_op_name, size_class_of
 from fuel.cost.roofline import SATURATED_NS, CostEstimate, composite_ns
+from fuel.cost.sizeclass import log2_bucket
 from fuel.cost.spec import DeviceSpec
 from fuel.graph.branch import arm_interiors
 from fuel.graph.dtype import BackendId
@@ -122,6 +130,42 @@ def _layer1_ns(graph: Graph, node_id: NodeId, pricing: Pricing) -> int | str:
     return ns if ns is not None else f"node {node_id}: {pricing.device.name} cannot price it"
 
 
+def runtime_judge_name(region_hash: str) -> str:
+    """The Judge op name of a runtime fused region: stable across processes (module docs)."""
+    return f"jit:{region_hash[:16]}"
+
+
+def _operand_size_class(graph: Graph, node_id: NodeId, symbols: Mapping[str, int]) -> str | None:
+    node = graph.node(node_id)
+    buckets = []
+    for operand in (*node.inputs, node_id):
+        count = 1
+        for dim in graph.node(operand).shape.dims:
+            if isinstance(dim, str):
+                if dim not in symbols:
+                    return None
+                dim = int(symbols[dim])
+            count *= dim
+        buckets.append(f"e{log2_bucket(count)}")
+    return f"io:{','.join(buckets[:-1])}>{buckets[-1]}"
+
+
+def judge_key(graph: Graph, node_id: NodeId, *, symbols: Mapping[str, int] | None = None,
+              runtime: RuntimeFusedRegistry | None = None) -> tuple[str, str] | None:
+    """``(op, size_class)`` under which the Judge stores and serves ``node_id``'s latency;
+    ``None`` when the node has no kernel key or a symbolic dim has no capacity."""
+    node = graph.node(node_id)
+    symbols = symbols or {}
+    if isinstance(node.op, Fused) and node.op.id >= RUNTIME_FUSED_BASE and runtime is not None:
+        registered = runtime.get(node.op.id)
+        if registered is not None:
+            size_class = _operand_size_class(graph, node_id, symbols)
+            return None if size_class is None else (runtime_judge_name(registered.hash), size_class)
+    op = judge_op_name(node)
+    size_class = size_class_of(graph, node_id, symbols=symbols)
+    return None if op is None or size_class is None else (op, size_class)
+
+
 def _node_price(graph: Graph, node_id: NodeId, pricing: Pricing, judge) -> _Node:
     node = graph.node(node_id)
     if isinstance(node.op, Input | Weight | Branch):
@@ -133,9 +177,9 @@ def _node_price(graph: Graph, node_id: NodeId, pricing: Pricing, judge) -> _Node
         entry = pricing.table.find(key, key_dtypes(graph, node_id), backend, required_caps(node))
     measured = None
     if judge is not None and key is not None:
-        size_class = size_class_of(graph, node_id, symbols=pricing.symbols)
-        if size_class is not None:
-            measured = judge.measured_latency_ns(judge_op_name(node), node.dtype.value, size_class,
+        cell = judge_key(graph, node_id, symbols=pricing.symbols, runtime=pricing.runtime)
+        if cell is not None:
+            measured = judge.measured_latency_ns(cell[0], node.dtype.value, cell[1],
                                                  backend.value, _kernel_source(entry, backend))
     if key is not None and pricing.table is not None and entry is None and measured is None:
         return _Node(None, None, None, ArmDeclined(
