@@ -12,7 +12,7 @@ from fuel.graph.ir import Fused
 from fuel.jit import ArchSku, JitBudget
 from fuel.jit.adopt import Outcome, adopt
 from fuel.kernels import cpu_table
-from fuel.optimize import OptimizeOptions, optimize_graph
+from fuel.optimize import ADOPTED, OptimizeOptions, optimize_graph
 
 F32, U32 = DType.F32, DType.U32
 BUDGET = JitBudget(max_compile_ms=120_000)
@@ -56,7 +56,7 @@ def test_adopted_kernel_is_offered_and_baked_by_the_next_optimize(numba_synth, t
         table=table, runtime=registry, judge=JudgeOracle.load(store_path),
         device_spec=device("cpu-local"), jit_arch=ArchSku.CPU, jit_budget=BUDGET))
     offered = [o for o in second.offers if o.branch is not None]
-    assert len(offered) == 1 and offered[0].pathfinder == "runtime-fused"
+    assert len(offered) == 1 and offered[0].pathfinder == ADOPTED
     (decision,) = second.decisions
     judged = decision.arms[1]
     assert judged.cost_ns == record.kernel_ns and judged.source.value == "judge"

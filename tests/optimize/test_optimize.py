@@ -121,3 +121,110 @@ def test_optimize_is_deterministic():
         return graph.nodes(), result.order, result.decisions
 
     assert run() == run()
+
+
+# Adopted kernels: the branch is built where the unrunnable fused node is lowered.
+class _RuntimeOnlyJudge:
+    """Measures only the adopted kernel (by its stable region name), at a fixed latency; the
+    recipe's nodes are priced by Layer 1."""
+
+    def __init__(self, op: str, ns: int):
+        self.op, self.ns = op, ns
+
+    def measured_latency_ns(self, op, dtype, size_class, backend, kernel_source):
+        return self.ns if op == self.op else None
+
+
+def two_reader_residual():
+    graph = Graph()
+    x, r = graph.input("x", [2, 8], DType.F32), graph.input("r", [2, 8], DType.F32)
+    gain = graph.input("g", [8], DType.F32)
+    both = graph.fused(FusedOps.RESIDUAL_ADD_RMS_NORM, FusedOpParams.ResidualAddRmsNorm(1e-5),
+                       x, r, gain)
+    normed = graph.prim(OpKind.SELECT, both, dim=0, index=0)
+    stream = graph.prim(OpKind.SELECT, both, dim=0, index=1)
+    return graph, graph.prim(OpKind.ADD, normed, stream), both
+
+
+def _adopt_reference(graph, fused):
+    """Register the node's recipe as a runtime region and bind a torch kernel for it (a stand-in
+    for a synthesized kernel: what adoption leaves behind)."""
+    from fuel.graph import RuntimeFusedRegistry
+    from fuel.graph.recipe import structural_hash
+    from fuel.graph.registry import recipe_for
+    from fuel.kernels import Precision
+    from fuel.optimize import runtime_judge_name
+
+    region = recipe_for(graph, fused)
+    registry, table = RuntimeFusedRegistry(), cpu_table()
+    runtime_id = registry.register_runtime_fused("residual", region)
+    calls = []
+
+    def kernel(x, r, gain):
+        calls.append(1)
+        total = x + r
+        normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5) * gain
+        return torch.stack([normed, total])
+
+    table.bind(runtime_id, (DType.F32,) * 4, BackendId.CPU,
+               KernelEntry(lambda node: kernel, precision=Precision.RECIPE_TOLERANCE,
+                           kernel_source="test.kernel"))
+    return registry, table, runtime_id, runtime_judge_name(structural_hash(region)), calls
+
+
+def _feeds():
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=generator)
+            for name, shape in (("x", (2, 8)), ("r", (2, 8)), ("g", (8,)))}
+
+
+def test_adopted_kernel_read_by_two_selects_is_branched_through_one_identity_merge_and_wins():
+    # Why: residual_add_rms_norm's output has two readers; the merge must feed both, and the
+    # baked graph must run the adopted kernel for both without the identity merge left behind.
+    from fuel.graph.ir import Fused
+    from fuel.optimize import ADOPTED
+
+    probe, probe_out, probe_fused = two_reader_residual()
+    registry, table, runtime_id, name, calls = _adopt_reference(probe, probe_fused)
+    graph, out, fused = two_reader_residual()
+    result = optimize_graph(graph, [out], OptimizeOptions(
+        table=table, runtime=registry, device_spec=SPEC, judge=_RuntimeOnlyJudge(name, 1)))
+    (offer,) = [o for o in result.offers if o.pathfinder == ADOPTED]
+    assert offer.branch is not None and "identity merge for 2 readers" in offer.detail
+    (decision,) = result.decisions
+    assert decision.winner == 1 and decision.reason is Reason.CHEAPER and result.bakes == 1
+    assert decision.arms[1].cost_ns == 1 and decision.arms[1].source is CostSource.JUDGE
+    ops = [graph.node(n).op for n in result.order]
+    assert sum(isinstance(op, Fused) and op.id == runtime_id for op in ops) == 1
+    assert not any(getattr(op, "kind", None) is OpKind.RESHAPE for op in ops), "merge spliced"
+    got = compile_program(graph, lower(graph, result.roots), table).run(_feeds())[result.roots[0]]
+    lowered = optimize_graph(probe, [probe_out], OptimizeOptions(table=cpu_table()))
+    reference = compile_program(probe, lower(probe, lowered.roots), cpu_table()).run(
+        _feeds())[lowered.roots[0]]
+    assert calls and torch.allclose(got, reference, atol=1e-5)
+
+
+def test_a_slower_adopted_kernel_keeps_the_recipe_and_splices_the_merge():
+    from fuel.graph.ir import Fused
+
+    probe, _, probe_fused = two_reader_residual()
+    registry, table, runtime_id, name, _ = _adopt_reference(probe, probe_fused)
+    graph, out, _ = two_reader_residual()
+    result = optimize_graph(graph, [out], OptimizeOptions(
+        table=table, runtime=registry, device_spec=SPEC, judge=_RuntimeOnlyJudge(name, 10**12)))
+    (decision,) = result.decisions
+    assert decision.winner == 0 and decision.reason is Reason.NOT_CHEAPER and result.bakes == 0
+    ops = [graph.node(n).op for n in result.order]
+    assert not any(isinstance(op, Fused) for op in ops)
+    assert not any(getattr(op, "kind", None) is OpKind.RESHAPE for op in ops)
+
+
+def test_an_adopted_kernel_without_a_judge_cell_keeps_arm0_unknown_cost():
+    # Why: the seed's semantics: a runtime arm with no measurement is unpriceable and cannot win.
+    probe, _, probe_fused = two_reader_residual()
+    registry, table, _, _, _ = _adopt_reference(probe, probe_fused)
+    graph, out, _ = two_reader_residual()
+    result = optimize_graph(graph, [out], OptimizeOptions(table=table, runtime=registry,
+                                                          device_spec=SPEC))
+    (decision,) = result.decisions
+    assert decision.winner == 0 and decision.reason is Reason.UNKNOWN_COST

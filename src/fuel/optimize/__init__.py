@@ -7,7 +7,10 @@ Pure planning code: importing it pulls in no torch; the Judge arrives as a froze
 from fuel.optimize.decisions import (
     ArmRecord, BranchKind, CostSource, Decision, Lowering, Offer, Reason,
 )
-from fuel.optimize.optimize import OptimizedGraph, OptimizeOptions, ResidencyCopy, optimize_graph
+from fuel.optimize.optimize import (
+    ADOPTED, Offered, OptimizedGraph, OptimizeOptions, ResidencyCopy, bake_offered, offer_arms,
+    optimize_graph,
+)
 from fuel.optimize.pathfinders import (
     FlashAdmission, offer_decode_flash_arms, offer_placement_forks, offer_runtime_fused_arms,
 )
@@ -21,6 +24,7 @@ from fuel.optimize.variant_bake import (
 )
 
 __all__ = [
+    "ADOPTED", "Offered", "bake_offered", "offer_arms",
     "ArmCostFn", "ArmDeclined", "ArmPrice", "ArmPricer", "ArmRecord", "BakeOutcome", "BakePolicy",
     "BranchKind", "CostSource", "Decision", "FlashAdmission", "Lowering", "NodePrice", "Offer",
     "OptimizeOptions", "OptimizedGraph", "Pricing", "Reason", "ResidencyCopy", "arm_location",

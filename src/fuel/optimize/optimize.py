@@ -6,13 +6,23 @@ Decides, in this order (each step sees the previous one's graph):
 2. **Lower the unrunnable**: a fused node with no kernel on the pinned backend (exact key and the
    capabilities its params require) is replaced by its recipe — arm 0, the decomposed oracle —
    so the executor can run everything; the JIT carrier is asked for a request first, so the
-   caller can synthesize a kernel and the next optimize offers it as an arm.
+   caller can synthesize a kernel and the next optimize offers it as an arm. When the runtime
+   registry already holds a region structurally equal to that recipe (an adopted kernel) with a
+   kernel bound on the backend, the branch is built right there: arm 0 the recipe, arm 1 the
+   runtime fused node over the same inputs. The merge is the node's single reader; a value
+   with several readers (residual_add_rms_norm's two selects) or a root gets an identity merge
+   (a same-shape reshape) that every reader reads, spliced out again once the bake collapses
+   the branch, so the baked graph carries no extra node.
 3. **Pathfinders** offer arms (:mod:`fuel.optimize.pathfinders`): the flash-decode arm, runtime
    fused arms, placement forks (each switchable in :class:`OptimizeOptions`).
 4. **Bake** same-device variant branches by cost (:mod:`fuel.optimize.variant_bake`), the
    Judge-aware provider when a Judge is given, Layer 1 otherwise.
 5. **Residency**: where a live placement arm runs on another device than a value it reads, the
    copy it needs is recorded (value, from, to, bytes) for the route picker to price.
+
+Steps 1–3 are :func:`offer_arms`, steps 4–5 :func:`bake_offered`; :func:`optimize_graph` is
+both. The split lets a caller at the edge measure the offered arms for the Judge (they exist
+only after step 3) before the bake reads its snapshot.
 
 The graph is mutated in place; :class:`OptimizedGraph` carries the roots (a root that was a
 lowered fused node is replaced by its region's root), the dispatch order under the default
@@ -30,16 +40,22 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from fuel.cost.spec import DeviceSpec
-from fuel.graph.branch import ancestors, arm_interiors, effective_roots, lower
+from fuel.graph.branch import (
+    BranchError, ancestors, arm_interiors, effective_roots, lower, open_branch,
+)
 from fuel.graph.dtype import BackendId, Device
-from fuel.graph.ir import Fused, Graph, NodeId
-from fuel.graph.registry import RuntimeFusedRegistry, decompose, fused_name
+from fuel.graph.ir import Branch, Fused, Graph, Node, NodeId, Prim
+from fuel.graph.ops import OpKind
+from fuel.graph.recipe import structural_hash
+from fuel.graph.registry import (
+    RuntimeFusedParams, RuntimeFusedRegistry, decompose, fused_name, recipe_for,
+)
 from fuel.kernels.table import KernelBindingTable, key_dtypes, op_key, required_caps
 from fuel.optimize.decisions import BranchKind, Decision, Lowering, Offer, Reason
 from fuel.optimize.pathfinders import (
     FlashAdmission, offer_decode_flash_arms, offer_placement_forks, offer_runtime_fused_arms,
 )
-from fuel.optimize.providers import Pricing, price_arm
+from fuel.optimize.providers import Pricing, price_arm, runtime_judge_name
 from fuel.optimize.variant_bake import ArmDeclined, BakePolicy, arm_location, bake
 
 
@@ -119,15 +135,95 @@ def _stamp(graph: Graph, roots: tuple[NodeId, ...], device: Device) -> None:
             graph.placement.setdefault(node_id, device)
 
 
-def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...],
-                      options: OptimizeOptions) -> tuple[tuple[NodeId, ...], list[Lowering]]:
+ADOPTED = "adopted-kernel"
+"""The pathfinder name of the branches built at lowering for adopted runtime kernels."""
+
+
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """What :func:`offer_arms` left for the bake: the roots (lowered fused roots replaced), the
+    lowerings and offers it recorded, and the identity merges it built for adopted arms."""
+
+    roots: tuple[NodeId, ...]
+    lowerings: tuple[Lowering, ...] = ()
+    offers: tuple[Offer, ...] = ()
+    merges: frozenset[NodeId] = frozenset()
+
+    def branches(self) -> tuple[NodeId, ...]:
+        """The branches the offers built, in offer order."""
+        return tuple(o.branch for o in self.offers if o.branch is not None)
+
+
+def _adopted_kernel(graph: Graph, node_id: NodeId, backend: BackendId,
+                    options: OptimizeOptions) -> tuple[int, str] | str | None:
+    """The runtime id (and its Judge name) of an adopted kernel computing exactly this node's
+    recipe on ``backend``; a reason when one is registered but cannot serve; None when none."""
+    runtime, table = options.runtime, options.table
+    if runtime is None or not len(runtime) or table is None:
+        return None
+    region = recipe_for(graph, node_id)
+    if region is None:
+        return None
+    digest = structural_hash(region)
+    runtime_id = runtime.find_by_hash(digest)
+    if runtime_id is None:
+        return None
+    if table.find(runtime_id, key_dtypes(graph, node_id), backend) is None:
+        return (f"{runtime_judge_name(digest)} is registered but has no {backend.value} kernel "
+                f"for [{', '.join(d.value for d in key_dtypes(graph, node_id))}]")
+    return runtime_id, runtime_judge_name(digest)
+
+
+def _branch_adopted(graph: Graph, node_id: NodeId, root: NodeId, roots: tuple[NodeId, ...],
+                    runtime_id: int, name: str) -> tuple[Offer, NodeId | None]:
+    """Rewire the fused node's readers to its recipe through a merge and branch there (arm 0
+    the recipe, arm 1 the adopted kernel). Returns the offer and the identity merge built (None
+    when the single reader serves as the merge). The graph computes what it did either way."""
+    node = graph.node(node_id)
+    readers = [r for r in graph.consumers()[node_id]
+               if r != root and not isinstance(graph.node(r).op, Branch)]
+    merge: NodeId
+    identity: NodeId | None = None
+    if len(readers) == 1 and node_id not in roots:
+        merge = readers[0]
+        graph.rewire(merge, node_id, root)
+    elif all(isinstance(d, int) for d in node.shape.dims):
+        identity = merge = graph.push(Node(Prim.of(OpKind.RESHAPE, shape=node.shape.dims),
+                                           (root,), node.shape, node.dtype))
+        for reader in readers:
+            graph.rewire(reader, node_id, merge)
+    else:
+        for reader in readers:
+            graph.rewire(reader, node_id, root)
+        return Offer(ADOPTED, node_id, None, f"{name}: {len(readers)} readers and a symbolic "
+                     "shape: no identity merge to branch at"), None
+    kernel = graph.push(Node(Fused(runtime_id, RuntimeFusedParams()), node.inputs, node.shape,
+                             node.dtype))
+    builder = open_branch(graph, max(node.inputs))
+    builder.add_arm(root)
+    builder.add_arm(kernel)
+    try:
+        branch = builder.finalize(merge)
+    except BranchError as error:
+        return Offer(ADOPTED, node_id, None, f"{name}: {error}"), identity
+    where = "its reader" if identity is None else f"an identity merge for {len(readers)} readers"
+    return Offer(ADOPTED, node_id, branch, f"{name} (adopted kernel) as arm 1, merged at "
+                 f"{where}"), identity
+
+
+def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: OptimizeOptions
+                      ) -> tuple[tuple[NodeId, ...], list[Lowering], list[Offer], set[NodeId]]:
     table, backend = options.table, options.device.backend
     lowerings: list[Lowering] = []
+    offers: list[Offer] = []
+    merges: set[NodeId] = set()
     if table is None:
-        return roots, lowerings
+        return roots, lowerings, offers, merges
     carrier = None
     if options.jit_arch is not None and options.jit_budget is not None:
         from fuel.jit import jit_request_for_unplaceable_fused as carrier
+    # Adopted arms are offered only when they can be priced (as the pathfinders' arms are).
+    adopt_arms = options.offer_runtime_fused and options.device_spec is not None
     for node_id in lower(graph, roots).order:
         node = graph.node(node_id)
         if not isinstance(node.op, Fused):
@@ -138,20 +234,49 @@ def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...],
             continue
         request = (carrier(graph, node_id, node_backend, table, options.jit_arch,
                            options.jit_budget, options.runtime) if carrier is not None else None)
+        adopted = _adopted_kernel(graph, node_id, node_backend, options) if adopt_arms else None
         root = decompose(graph, node_id, options.runtime)
         name = fused_name(node.op.id)
         if root == node_id:
             lowerings.append(Lowering(node_id, name, None, "no kernel and no emittable recipe: "
                                       "the executor will refuse this node", request))
             continue
+        lowerings.append(Lowering(node_id, name, root,
+                                  f"no {node_backend.value} kernel: lowered to its recipe",
+                                  request))
+        if isinstance(adopted, tuple):
+            offer, identity = _branch_adopted(graph, node_id, root, roots, *adopted)
+            offers.append(offer)
+            if identity is not None:
+                merges.add(identity)
+                roots = tuple(identity if r == node_id else r for r in roots)
+            else:
+                roots = tuple(root if r == node_id else r for r in roots)
+            continue
+        if isinstance(adopted, str):
+            offers.append(Offer(ADOPTED, node_id, None, adopted))
         for reader, reader_node in enumerate(graph.nodes()):
             if node_id in reader_node.inputs and reader != root:
                 graph.rewire(reader, node_id, root)
         roots = tuple(root if r == node_id else r for r in roots)
-        lowerings.append(Lowering(node_id, name, root,
-                                  f"no {node_backend.value} kernel: lowered to its recipe",
-                                  request))
-    return roots, lowerings
+    return roots, lowerings, offers, merges
+
+
+def _splice_merges(graph: Graph, roots: tuple[NodeId, ...], merges: frozenset[NodeId]
+                   ) -> tuple[NodeId, ...]:
+    """Read each collapsed identity merge's input directly (the merge then has no reader)."""
+    live = {graph.node(n).op.reconverge_at for n in graph
+            if isinstance(graph.node(n).op, Branch) and len(graph.node(n).inputs) > 1}
+    spliced = sorted(merges - live)
+    if not spliced:
+        return roots
+    readers = graph.consumers()
+    for merge in spliced:
+        source = graph.node(merge).inputs[0]
+        for reader in readers[merge]:
+            if not isinstance(graph.node(reader).op, Branch):
+                graph.rewire(reader, merge, source)
+    return tuple(graph.node(r).inputs[0] if r in spliced else r for r in roots)
 
 
 def _residency(graph: Graph, decisions: Iterable[Decision], symbols: Mapping[str, int]
@@ -185,16 +310,17 @@ def _bytes(graph: Graph, node_id: NodeId, symbols: Mapping[str, int]) -> int | N
     return node.dtype.storage_bytes(count)
 
 
-def optimize_graph(graph: Graph, roots: Iterable[NodeId],
-                   options: OptimizeOptions = OptimizeOptions()) -> OptimizedGraph:
-    """Stamp, lower the unrunnable, offer arms, bake variants, record residency (module docs)."""
+def offer_arms(graph: Graph, roots: Iterable[NodeId],
+               options: OptimizeOptions = OptimizeOptions()) -> Offered:
+    """Stamp, lower the unrunnable (branching adopted kernels), run the pathfinders."""
     roots = tuple(roots)
     device = options.device
     _stamp(graph, roots, device)
     lowerings: list[Lowering] = []
-    if options.lower_unrunnable:
-        roots, lowerings = _lower_unrunnable(graph, roots, options)
     offers: list[Offer] = []
+    merges: set[NodeId] = set()
+    if options.lower_unrunnable:
+        roots, lowerings, offers, merges = _lower_unrunnable(graph, roots, options)
     # Variant arms are offered only when they can be priced: an unpriceable offer could never
     # win the bake, and would only leave a live branch behind.
     priced = options.device_spec is not None
@@ -207,6 +333,13 @@ def optimize_graph(graph: Graph, roots: Iterable[NodeId],
         offers += offer_placement_forks(graph, roots, options.table, device,
                                         options.placement_devices)
     _stamp(graph, roots, device)
+    return Offered(roots, tuple(lowerings), tuple(offers), frozenset(merges))
+
+
+def bake_offered(graph: Graph, offered: Offered,
+                 options: OptimizeOptions = OptimizeOptions()) -> OptimizedGraph:
+    """Bake the offered graph's variant branches by cost and record residency (module docs)."""
+    device = options.device
     if options.device_spec is not None:
         pricing = Pricing(options.device_spec, options.table, options.symbols, options.runtime,
                           options.price_runtime_fused, device.backend)
@@ -217,12 +350,19 @@ def optimize_graph(graph: Graph, roots: Iterable[NodeId],
     else:
         def pricer(g: Graph, branch: NodeId, arm: int):
             return ArmDeclined(Reason.UNKNOWN_COST, "no device spec to price on")
-    outcome = bake(graph, roots, pricer, options.policy)
+    outcome = bake(graph, offered.roots, pricer, options.policy)
+    roots = _splice_merges(graph, offered.roots, offered.merges)
     route = MappingProxyType({d.branch: d.winner for d in outcome.decisions
                               if d.retained and d.winner})
     lowered = lower(graph, roots, route)
     return OptimizedGraph(
         roots=roots, order=lowered.order, bakes=outcome.baked, decisions=outcome.decisions,
-        lowerings=tuple(lowerings), offers=tuple(offers),
+        lowerings=offered.lowerings, offers=offered.offers,
         residency=_residency(graph, outcome.decisions, options.symbols), route=route,
     )
+
+
+def optimize_graph(graph: Graph, roots: Iterable[NodeId],
+                   options: OptimizeOptions = OptimizeOptions()) -> OptimizedGraph:
+    """Stamp, lower the unrunnable, offer arms, bake variants, record residency (module docs)."""
+    return bake_offered(graph, offer_arms(graph, roots, options), options)
