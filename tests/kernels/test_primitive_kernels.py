@@ -21,6 +21,20 @@ def test_u32_arithmetic_runs_and_returns_u32():
     assert out[bigger].tolist() == [False, True, True]
 
 
+def test_u32_layout_ops_are_views_of_the_fed_tensor_not_widened_copies():
+    # Widening a reshape to int64 and back would cost two copies per call on every step.
+    g = Graph()
+    table = g.input("table", [2, 3], DType.U32)
+    flat = g.prim(OpKind.RESHAPE, table, shape=(6,))
+    column = g.prim(OpKind.UNSQUEEZE, g.prim(OpKind.SELECT, table, dim=0, index=1), dim=-1)
+    positions = g.prim(OpKind.IOTA, table, dim=1, dtype=DType.U32)
+    fed = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.uint32)
+    out = execute(g, [flat, column, positions], TABLE, {"table": fed})
+    assert out[flat].data_ptr() == fed.data_ptr() and out[flat].dtype == torch.uint32
+    assert out[column].tolist() == [[4], [5], [6]] and out[column].dtype == torch.uint32
+    assert out[positions].tolist() == [0, 1, 2] and out[positions].dtype == torch.uint32
+
+
 def test_index_select_takes_rows_with_any_index_shape():
     g = Graph()
     table = g.input("table", [5, 2], DType.F32)

@@ -139,3 +139,52 @@ def test_a_branch_built_by_hand_lowers_only_what_the_roots_need():
     assert program.executed == (d, arm1, merge)
     out = program.run({"x": torch.zeros(4)})[merge]
     assert out.tolist() == [1.0] * 4  # 2 * sigmoid(0)
+
+
+def test_a_value_computed_twice_runs_once_and_both_readers_get_it():
+    g = Graph()
+    x = g.input("x", [4], F32)
+    first = g.prim(OpKind.MUL_SCALAR, g.prim(OpKind.TANH, x), value=2.0)
+    again = g.prim(OpKind.MUL_SCALAR, g.prim(OpKind.TANH, x), value=2.0)
+    other = g.prim(OpKind.MUL_SCALAR, g.prim(OpKind.TANH, x), value=3.0)
+    program = compile_program(g, lower(g, [first, again, other]), TABLE)
+    assert program.merged == 3  # the second tanh, its mul, the third tanh
+    assert len(program.executed) == 3
+    feed = torch.linspace(-1, 1, 4)
+    out = program.run({"x": feed})
+    torch.testing.assert_close(out[again], torch.tanh(feed) * 2)
+    torch.testing.assert_close(out[first], out[again])
+    torch.testing.assert_close(out[other], torch.tanh(feed) * 3)
+
+
+def test_values_read_from_a_cache_written_in_place_are_never_merged_but_shapes_of_it_are():
+    # A kv_cache_write mutates its cache: two reads of it with equal inputs may see different
+    # contents, so both run. iota reads only the shape, which no write changes.
+    g = Graph()
+    kc, vc = g.input("kc", [2, 2, 1, 2], F32), g.input("vc", [2, 2, 1, 2], F32)
+    rows, slot = g.input("rows", [1, 1, 2], F32), g.input("slot", [1], U32)
+    k2 = g.prim(OpKind.KV_CACHE_WRITE, kc, rows, slot)
+    v2 = g.prim(OpKind.KV_CACHE_WRITE, vc, rows, slot)
+    sums = [g.prim(OpKind.SUM, g.prim(OpKind.RESHAPE, k2, shape=(-1,)), dim=0, keepdim=False)
+            for _ in range(2)]
+    positions = [g.prim(OpKind.IOTA, cache, dim=1, dtype=U32) for cache in (k2, v2)]
+    program = compile_program(g, lower(g, [*sums, *positions]), TABLE)
+    assert program.merged == 1 and positions[1] not in program.executed
+    assert set(sums) <= set(program.executed)
+    out = program.run({"kc": torch.zeros(2, 2, 1, 2), "vc": torch.zeros(2, 2, 1, 2),
+                       "rows": torch.ones(1, 1, 2), "slot": torch.tensor([3], dtype=torch.uint32)})
+    assert float(out[sums[0]]) == float(out[sums[1]]) == 2.0
+    assert out[positions[1]].tolist() == [0, 1]
+
+
+def test_a_timed_run_returns_the_same_values_and_one_duration_per_executed_node():
+    g = Graph()
+    x = g.input("x", [8], F32)
+    y = g.prim(OpKind.NEG, g.prim(OpKind.EXP, g.prim(OpKind.TANH, x)))
+    program = compile_program(g, lower(g, [y]), TABLE)
+    feed = torch.randn(8)
+    out, seconds = program.run_timed({"x": feed})
+    assert len(seconds) == len(program.executed) == 3
+    assert all(s >= 0 for s in seconds)
+    torch.testing.assert_close(out[y], program.run({"x": feed})[y])
+    assert program.executed_nodes == 3

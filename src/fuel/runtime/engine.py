@@ -85,6 +85,9 @@ class StepResult:
     logits: torch.Tensor
     tokens: list[int]
     program: StepProgram
+    node_seconds: tuple[float, ...] | None = None
+    """Wall seconds of each executed node (``program.program.executed`` order) when the step
+    was run ``timed``; ``None`` otherwise."""
 
 
 @dataclass(slots=True)
@@ -221,8 +224,10 @@ class Engine:
 
     # -- a step ------------------------------------------------------------------------------
 
-    def step(self, mode: Mode, batch: Sequence[tuple[Hashable, Sequence[int]]]) -> StepResult:
-        """Append each sequence's tokens and run one step of ``mode`` over all of them."""
+    def step(self, mode: Mode, batch: Sequence[tuple[Hashable, Sequence[int]]], *,
+             timed: bool = False) -> StepResult:
+        """Append each sequence's tokens and run one step of ``mode`` over all of them
+        (``timed``: also clock every node, for the profiler)."""
         if not batch or any(not tokens for _, tokens in batch):
             raise BadStep(mode, "every sequence of a step feeds at least one token")
         lengths = [len(tokens) for _, tokens in batch]
@@ -251,13 +256,14 @@ class Engine:
                     tables.rollback(sequence, start)
             raise
         try:
-            return self._run(mode, section, batch, lengths, starts, slots)
+            return self._run(mode, section, batch, lengths, starts, slots, timed)
         except Exception:
             for (sequence, _), start in zip(batch, starts):
                 tables.rollback(sequence, start)
             raise
 
-    def _run(self, mode: Mode, section: Section, batch, lengths, starts, slots) -> StepResult:
+    def _run(self, mode: Mode, section: Section, batch, lengths, starts, slots,
+             timed: bool = False) -> StepResult:
         torch = self._torch
         tables = self.tables[section]
         runs = runs_of(lengths)
@@ -286,9 +292,14 @@ class Engine:
         for cache in program.step.caches:
             feeds[cache.k_input] = self._caches[cache.k_input]
             feeds[cache.v_input] = self._caches[cache.v_input]
-        logits, tokens = program.run(feeds)
+        seconds = None
+        if timed:
+            out, seconds = program.program.run_timed(feeds)
+            logits, tokens = out[program.logits_root], out[program.tokens_root]
+        else:
+            logits, tokens = program.run(feeds)
         self.stats.record(mode, program)
-        return StepResult(logits, tokens.reshape(-1).tolist(), program)
+        return StepResult(logits, tokens.reshape(-1).tolist(), program, seconds)
 
 
 def _graph_dtype(dtype: Any):

@@ -15,6 +15,11 @@ Invariants:
 - A run executes exactly the compiled steps, in order; ``executed`` lists their node ids and
   ``executed_nodes`` counts the steps the last run completed (tests prove a losing arm never
   runs with it).
+- A node that computes what an earlier node already computed (equal op and params, the same
+  inputs — for ``iota``/``size``, inputs of the same shape —, dtype and shape) is not run again: its readers read the earlier value (``merged``
+  counts them). Values a step mutates in place (a ``kv_cache_write``'s cache) and everything
+  computed from them are never merged. So the index arithmetic every layer's decomposed paged
+  attention repeats over the same block table runs once per step.
 - Per-node work at run time is one call: the kernels are resolved once and the steps are
   generated as straight-line Python (``Program.source``), each value released after its last
   reader.
@@ -30,6 +35,7 @@ from fuel.errors import FuelError
 from fuel.graph.branch import Lowered, lower
 from fuel.graph.dtype import BackendId, Device
 from fuel.graph.ir import Const, Fused, Graph, Input, NodeId, Prim, Weight
+from fuel.graph.ops import OpKind
 from fuel.kernels.table import KernelBindingTable, KernelMissing, op_key, required_caps
 
 
@@ -79,9 +85,10 @@ class Program:
     """
 
     __slots__ = ("roots", "executed", "executed_nodes", "source", "device", "_run", "_kernels",
-                 "_constants", "_feeds")
+                 "_constants", "_feeds", "_timed_source", "_timed_run", "merged")
 
-    def __init__(self, roots, executed, source, run, kernels, constants, feeds, device):
+    def __init__(self, roots, executed, source, run, kernels, constants, feeds, device,
+                 timed_source="", merged=0):
         self.roots: tuple[NodeId, ...] = roots
         self.executed: tuple[NodeId, ...] = executed
         self.executed_nodes = 0
@@ -91,9 +98,13 @@ class Program:
         self._kernels = kernels
         self._constants = constants
         self._feeds = feeds
+        self._timed_source = timed_source
+        self._timed_run = None
+        self.merged: int = merged
+        """Nodes not run because an earlier node computes the same value (same op, same
+        inputs): e.g. the block-table index arithmetic every layer's attention repeats."""
 
-    def run(self, feeds: Mapping[str, Any]) -> dict[NodeId, Any]:
-        """Run every step; returns ``{root id: tensor}``."""
+    def _fed(self, feeds: Mapping[str, Any]) -> list[Any]:
         fed = []
         for feed in self._feeds:
             tensor = feeds.get(feed.name)
@@ -103,34 +114,62 @@ class Program:
                     isinstance(d, int) and d != actual for d, actual in zip(feed.dims, tensor.shape)):
                 raise FeedMismatch(feed.name, feed.label, f"{tensor.dtype}{list(tensor.shape)}")
             fed.append(tensor.to(self.device))
+        return fed
+
+    def run(self, feeds: Mapping[str, Any]) -> dict[NodeId, Any]:
+        """Run every step; returns ``{root id: tensor}``."""
+        fed = self._fed(feeds)
         self.executed_nodes = 0
         results = self._run(self._kernels, self._constants, fed)
         self.executed_nodes = len(self.executed)
         return dict(zip(self.roots, results))
 
+    def run_timed(self, feeds: Mapping[str, Any]) -> tuple[dict[NodeId, Any], tuple[float, ...]]:
+        """Run every step as :meth:`run` does, and return each step's wall seconds too (in the
+        order of ``executed``). The timed source is the same straight-line code with a clock
+        read after each call, compiled on first use so plain runs never pay for it."""
+        import time
+
+        if self._timed_run is None:
+            namespace: dict[str, Any] = {}
+            exec(compile(self._timed_source, "<fuel timed program>", "exec"), namespace)  # noqa: S102
+            self._timed_run = namespace["run"]
+        fed = self._fed(feeds)
+        self.executed_nodes = 0
+        results, stamps = self._timed_run(self._kernels, self._constants, fed, time.perf_counter)
+        self.executed_nodes = len(self.executed)
+        return dict(zip(self.roots, results)), tuple(b - a for a, b in zip(stamps, stamps[1:]))
+
     def __len__(self) -> int:
         return len(self.executed)
 
 
-def _generate(order: tuple[NodeId, ...], leaves: dict[NodeId, str],
-              steps: list[tuple[NodeId, tuple[NodeId, ...]]], roots: tuple[NodeId, ...]) -> str:
-    """Straight-line source for the steps; ``leaves`` maps a leaf to its binding expression."""
+def _generate(leaves: dict[NodeId, str], steps: list[tuple[NodeId, tuple[NodeId, ...]]],
+              roots: tuple[NodeId, ...], *, timed: bool = False) -> str:
+    """Straight-line source for the steps; ``leaves`` maps a leaf to its binding expression.
+    ``timed`` takes a clock argument and appends a stamp before the first step and after each
+    one (returned beside the roots)."""
     last_read: dict[NodeId, int] = {}
     for index, (_, reads) in enumerate(steps):
         for read in reads:
             last_read[read] = index
     keep = set(roots)
-    lines = ["def run(kernels, constants, fed):"]
+    lines = ["def run(kernels, constants, fed, clock):" if timed else "def run(kernels, constants, fed):"]
     kernel_names = [f"k{node}" for node, _ in steps]
     if kernel_names:
         lines.append(f"    {', '.join(kernel_names)}{',' if len(kernel_names) == 1 else ''} = kernels")
     lines.extend(f"    v{node} = {expression}" for node, expression in leaves.items())
+    if timed:
+        lines.append("    stamps = [clock()]")
     for index, (node, reads) in enumerate(steps):
         lines.append(f"    v{node} = k{node}({', '.join(f'v{r}' for r in reads)})")
+        if timed:
+            lines.append("    stamps.append(clock())")
         dead = sorted({r for r in reads if last_read[r] == index and r not in keep})
         if dead:
             lines.append(f"    del {', '.join(f'v{r}' for r in dead)}")
-    lines.append(f"    return ({''.join(f'v{r}, ' for r in roots)})")
+    values = f"({''.join(f'v{r}, ' for r in roots)})"
+    lines.append(f"    return {values}, stamps" if timed else f"    return {values}")
     return "\n".join(lines) + "\n"
 
 
@@ -155,9 +194,25 @@ def compile_program(graph: Graph, lowered: Lowered, table: KernelBindingTable,
     feeds: list[_Feed] = []
     kernels: list[Any] = []
     steps: list[tuple[NodeId, tuple[NodeId, ...]]] = []
+    unmergeable = _unmergeable(graph, lowered)
+    same: dict[NodeId, NodeId] = {}  # a node computed again → the node already computing it
+    seen: dict[tuple[Any, ...], NodeId] = {}
     for node_id in lowered.order:
         node = graph.node(node_id)
         op = node.op
+        if isinstance(op, Prim | Fused) and node_id not in unmergeable:
+            reads = tuple(same.get(r, r) for r in lowered.reads[node_id])
+            if isinstance(op, Prim) and op.kind in _SHAPE_ONLY:
+                # Only the operand's shape matters: iota over any layer's [B, L] tensor is one value.
+                reads = tuple(graph.node(r).shape for r in reads)
+            try:
+                key = (op, reads, node.dtype, node.shape)
+                earlier = seen.setdefault(key, node_id)
+            except TypeError:  # an unhashable attribute: never merged, still run
+                earlier = node_id
+            if earlier != node_id:
+                same[node_id] = earlier
+                continue
         if isinstance(op, Input):
             leaves[node_id] = f"fed[{len(feeds)}]"
             feeds.append(_Feed(op.name, node_id, torch_dtype(node.dtype), node.shape.dims,
@@ -174,18 +229,53 @@ def compile_program(graph: Graph, lowered: Lowered, table: KernelBindingTable,
             constants.append(torch.full(node.shape.dims, op.value, dtype=torch_dtype(node.dtype),
                                         device=torch_device))
         elif isinstance(op, Prim | Fused):
-            reads = lowered.reads[node_id]
+            reads = tuple(same.get(r, r) for r in lowered.reads[node_id])
             dtypes = tuple(graph.node(i).dtype for i in reads) + (node.dtype,)
             entry = table.lookup(op_key(op), dtypes, backend, required_caps(node))
             kernels.append(entry.kernel(node))
             steps.append((node_id, reads))
         else:
             raise NotExecutable(node_id, str(op))
-    source = _generate(lowered.order, leaves, steps, lowered.roots)
+    roots = tuple(same.get(r, r) for r in lowered.roots)
+    source = _generate(leaves, steps, roots)
     namespace: dict[str, Any] = {}
     exec(compile(source, "<fuel program>", "exec"), namespace)  # noqa: S102 — our own source
     return Program(lowered.roots, tuple(n for n, _ in steps), source, namespace["run"],
-                   tuple(kernels), tuple(constants), tuple(feeds), torch_device)
+                   tuple(kernels), tuple(constants), tuple(feeds), torch_device,
+                   _generate(leaves, steps, roots, timed=True), len(same))
+
+
+def _unmergeable(graph: Graph, lowered: Lowered) -> set[NodeId]:
+    """Nodes whose inputs may change contents between two evaluations, so an equal-looking
+    earlier node does not stand for them: every node reading a *mutable* value — a cache a
+    ``kv_cache_write`` updates in place, the write's result (that cache), and views or casts of
+    one (they may alias it). Other kernels return fresh tensors, fixed once computed, so the
+    nodes past attention merge as usual; ``iota``/``size`` read only a shape, which a write
+    never changes."""
+    mutable: set[NodeId] = set()
+    for node_id in lowered.order:
+        op = graph.node(node_id).op
+        if isinstance(op, Prim) and op.kind is OpKind.KV_CACHE_WRITE:
+            mutable.update((node_id, lowered.reads[node_id][0]))
+    unmergeable = set(mutable)
+    for node_id in lowered.order:
+        op = graph.node(node_id).op
+        if isinstance(op, Prim) and op.kind in _SHAPE_ONLY:
+            continue
+        if any(r in mutable for r in lowered.reads.get(node_id, ())):
+            unmergeable.add(node_id)
+            if isinstance(op, Prim) and op.kind in _ALIASING:
+                mutable.add(node_id)
+    return unmergeable
+
+
+_SHAPE_ONLY = frozenset({OpKind.IOTA, OpKind.SIZE})
+"""Primitives that read only their operand's shape."""
+_ALIASING = frozenset({
+    OpKind.RESHAPE, OpKind.PERMUTE, OpKind.TRANSPOSE, OpKind.UNSQUEEZE, OpKind.EXPAND,
+    OpKind.SLICE, OpKind.SELECT, OpKind.CAST, OpKind.KV_CACHE_WRITE,
+})
+"""Primitives whose torch kernel may return a view of (or, for a no-op cast, the very) input."""
 
 
 def execute(graph: Graph, roots, table: KernelBindingTable, feeds: Mapping[str, Any],
