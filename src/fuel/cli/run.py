@@ -3,7 +3,16 @@ built-in prompt: fuel's main job on its default model).
 
 Text streams as it is generated (one sequence); at the end the run report: decode tokens/s,
 steps by mode, launches and kernel calls per step, the plan digests used, and what
-optimize_graph decided for each program (``--json``: one JSON object instead). Bad input —
+optimize_graph decided for each program (``--json``: one JSON object instead).
+
+JIT is on by default where it can run (numba importable): the CPU has no kernel for paged
+attention and residual_add_rms_norm, and running their decompositions costs thousands of small
+kernel calls per step. With ``--jit`` the run adopts verified numba kernels for them, measures
+both arms on this machine once (the Judge store keeps the cells for later runs) and bakes the
+faster; the report prints each adoption (region, verification error, kernel vs decomposed time)
+and each bake decision (winner, both arms' costs and their source). A decline, a failed
+verification or a slower kernel is reported and the run continues decomposed. ``--no-jit`` runs
+the decompositions as before. Bad input —
 a missing or corrupt model file, checkpoint tensors that do not match the circuit, a prompt
 longer than the cache — is one error line (the app's error boundary), never a traceback.
 """
@@ -35,16 +44,23 @@ ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="Torch 
 ContextOpt = Annotated[int, typer.Option("--max-context", min=16, help="Longest sequence (prompt + generated) the KV cache holds.")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Apply the model's chat template.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of text.")]
+JitOpt = Annotated[bool | None, typer.Option(
+    "--jit/--no-jit", help="Synthesize numba kernels for the fused ops the CPU has no kernel for "
+                           "(paged attention, residual_add_rms_norm), measure them against their "
+                           "decomposition and bake the faster (default: on when numba is installed).")]
 
 
 def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, speculate: int,
               drafter: str, batch: int, dtype: str, threads: int | None, max_context: int,
-              chat: bool, as_json: bool) -> dict[str, Any]:
+              chat: bool, as_json: bool, jit: bool | None = None) -> dict[str, Any]:
+    from fuel.jit.session import numba_available
     from fuel.runtime.model import load_model, run_generation, set_threads
 
     threads = set_threads(threads)
     texts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
-    loaded = load_model(model, dtype=dtype, max_context=max_context, max_sequences=max(len(texts), 1))
+    jit = numba_available() if jit is None else jit
+    loaded = load_model(model, dtype=dtype, max_context=max_context,
+                        max_sequences=max(len(texts), 1), jit=jit)
     console = Console(highlight=False)
     stream = None if as_json or len(texts) > 1 else (lambda text: console.print(text, end="", markup=False))
     if stream is not None:
@@ -85,26 +101,65 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
     for digest, what in result["plan_digests"].items():
         digests.add_row(digest[:16], what)
     console.print(digests)
-    bakes = Table("mode", "rows", "table width", "optimize_graph decisions", title="bake decisions")
+    bakes = Table("mode", "rows", "table width", "optimize_graph decisions", "adopted calls/step",
+                  title="bake decisions")
     for row in result["bake_decisions"]:
         rows = row["table"] or str(row["rows"])
-        bakes.add_row(row["mode"], rows, str(row["block_table_width"]), row["decisions"])
+        bakes.add_row(row["mode"], rows, str(row["block_table_width"]), row["decisions"],
+                      str(row["adopted_kernel_calls_per_step"]))
     console.print(bakes)
+    print_jit(console, result)
+
+
+def _us(ns: int | None) -> str:
+    return "-" if ns is None else f"{ns / 1e3:,.1f} us"
+
+
+def print_jit(console: Console, result: dict[str, Any]) -> None:
+    """The JIT part of the run report: adoptions, then the adopted branches' bake decisions."""
+    jit = result.get("jit") or {}
+    if not jit.get("enabled"):
+        console.print(f"jit: {jit.get('note', 'off')}")
+        return
+    adoptions = Table("region", "output", "nodes", "outcome", "max error", "kernel", "decomposed",
+                      title="jit adoptions (numba, verified against the recipe)")
+    for row in jit["adoptions"]:
+        error = "-" if row["max_abs_error"] is None else f"{row['max_abs_error']:.1e}"
+        adopted = row["outcome"] in ("adopted", "already adopted")
+        adoptions.add_row(row["region"], row["output"], str(row["nodes"]),
+                          row["outcome"] if adopted else f"{row['outcome']}: {row['reason']}",
+                          error, _us(row["kernel_ns"]), _us(row["decomposed_ns"]))
+    console.print(adoptions)
+    branches = Table("step", "region", "n", "winner", "arm 0 (recipe)", "arm 1 (adopted)",
+                     "reason", title="adopted-kernel branches as baked (costs: Judge-measured "
+                     f"unless marked; {jit['judge_rows_measured']} cells measured this run)")
+    for row in result["bake_decisions"]:
+        step = f"{row['mode']} {row['table'] or row['rows']}/w{row['block_table_width']}"
+        for branch in row.get("branches", []):
+            cost = [_us(a["cost_ns"]) + ("" if a["source"] == "judge" else
+                                         f" ({a['source'] or a['declined']})")
+                    for a in branch["arms"]]
+            branches.add_row(step, branch["region"], str(branch["count"]),
+                             f"arm {branch['winner']}", cost[0], cost[1] if len(cost) > 1 else "-",
+                             branch["reason"])
+    console.print(branches)
 
 
 @app.command("run")
 def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens: MaxNewOpt = 64,
                 speculate: SpeculateOpt = 0, drafter: DrafterOpt = "early-exit", batch: BatchOpt = 1,
                 dtype: DtypeOpt = "f32", threads: ThreadsOpt = None, max_context: ContextOpt = 2048,
-                chat: ChatOpt = True, as_json: JsonOpt = False) -> None:
+                chat: ChatOpt = True, as_json: JsonOpt = False, jit: JitOpt = None) -> None:
     """Generate text with a real model on the CPU and report what ran."""
     run_model(model, prompt or [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=speculate,
               drafter=drafter, batch=batch, dtype=dtype, threads=threads, max_context=max_context,
-              chat=chat, as_json=as_json)
+              chat=chat, as_json=as_json, jit=jit)
 
 
 @app.command("demo")
-def demo_command(max_new_tokens: MaxNewOpt = 64, dtype: DtypeOpt = "f32", as_json: JsonOpt = False) -> None:
+def demo_command(max_new_tokens: MaxNewOpt = 64, dtype: DtypeOpt = "f32", as_json: JsonOpt = False,
+                 jit: JitOpt = None) -> None:
     """fuel's main job: run the built-in default model (SmolLM2-135M-Instruct) on a built-in prompt."""
     run_model(None, [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=0, drafter="early-exit",
-              batch=1, dtype=dtype, threads=None, max_context=2048, chat=True, as_json=as_json)
+              batch=1, dtype=dtype, threads=None, max_context=2048, chat=True, as_json=as_json,
+              jit=jit)

@@ -61,13 +61,15 @@ class AdoptionEvent:
     region: str
     """The fused op the request came from (``paged_attn``, ``residual_add_rms_norm``)."""
     shapes: str
+    output: str
     nodes: int
     record: Any
     """The :class:`~fuel.jit.adopt.AdoptionRecord` (outcome, reason, error, times)."""
 
     def as_dict(self) -> dict[str, Any]:
         r = self.record
-        return {"region": self.region, "shapes": self.shapes, "nodes": self.nodes,
+        return {"region": self.region, "shapes": self.shapes, "output": self.output,
+                "nodes": self.nodes,
                 "outcome": r.outcome.value, "reason": r.reason,
                 "runtime_id": r.runtime_id, "max_abs_error": r.max_abs_error,
                 "kernel_ns": r.kernel_ns, "decomposed_ns": r.decomposed_ns,
@@ -144,7 +146,8 @@ class JitSession:
                 continue
             record = adopt(self.synthesizer, request, self.backend, table=self.table,
                            registry=self.registry)
-            event = AdoptionEvent(region, _shapes(request), len(nodes), record)
+            event = AdoptionEvent(region, _shapes(request), str(request.output), len(nodes),
+                                  record)
             self._tried[key] = event
             self.events.append(event)
             new.append(event)
