@@ -10,10 +10,12 @@ from dataclasses import replace
 import pytest
 
 from fuel.circuit import AvailableKernels, Mode, RowTable, build_policy, fuse, fuse_table, load_builtin_rules, zoo
+from fuel.circuit.ir import OpKind as CircuitOp
 from fuel.circuit.runs import KernelId
 from fuel.graph.ir import Fused
 from fuel.graph.registry import FusedOps
 from fuel.runtime.lower import (
+    DerivedKind, Llama3RopeScaling,
     CONSTRUCTIONS, ConstructionMismatch, NoConstruction, StepShape, StepShapeError,
     UnsupportedParam, expected_weight_shapes, lower,
 )
@@ -121,12 +123,37 @@ def test_group_members_must_be_the_construction_ops(smollm2):
               shape([(1, 1)]))
 
 
-def test_unsupported_rope_scaling_is_refused_by_name():
+def test_llama31_rope_scaling_lowers_to_scaled_tables_shared_by_every_layer():
+    # The zoo's Llama-3.1-8B config: rope_scaling factor 8, low 1, high 4, original 8192.
     circuit = zoo.load("llama-3.1-8b")
+    step = lower(plan_for(circuit, Mode.DECODE, 1), circuit, expected_weight_shapes(circuit),
+                 shape([(1, 1)]))
+    ropes = [spec for spec in step.derived if spec.kind in (DerivedKind.ROPE_COS, DerivedKind.ROPE_SIN)]
+    assert len(ropes) == 2
+    assert all(spec.scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 8192.0) for spec in ropes)
+    assert all("llama3=8/1/4/8192" in spec.name for spec in ropes)
+
+
+def _with_rope_params(circuit, **params):
+    nodes = tuple(
+        replace(node, params=tuple(sorted({**dict(node.params), **params}.items())))
+        if node.op.kind is CircuitOp.ROPE else node for node in circuit.nodes)
+    return replace(circuit, nodes=nodes)
+
+
+def test_an_unimplemented_rope_type_is_refused_by_name():
+    circuit = _with_rope_params(zoo.load("llama-3.1-8b"), rope_type="yarn")
     with pytest.raises(UnsupportedParam) as error:
         lower(plan_for(circuit, Mode.DECODE, 1), circuit, expected_weight_shapes(circuit), shape([(1, 1)]))
-    assert error.value.node == "l0.attn.rope"
-    assert "llama3" in error.value.value
+    assert error.value.node == "l0.attn.rope" and error.value.key == "rope_type"
+    assert "yarn" in error.value.value
+
+
+def test_a_llama3_scaling_missing_a_key_is_refused_naming_it():
+    circuit = _with_rope_params(zoo.load("llama-3.1-8b"),
+                                rope_scaling="factor=8,high_freq_factor=4,low_freq_factor=1")
+    with pytest.raises(UnsupportedParam, match="missing original_max_position_embeddings"):
+        lower(plan_for(circuit, Mode.DECODE, 1), circuit, expected_weight_shapes(circuit), shape([(1, 1)]))
 
 
 def test_step_shape_must_match_plan_rows(smollm2):

@@ -24,6 +24,7 @@ qkv_projection             one ``Fused FUSED_LINEAR`` over ``[Wq; Wk; Wv]`` (con
 silu_mul                   column slices gate/up of ``gate_up_out`` → ``Fused SILU_MUL``
 rope                       ``Fused ROPE`` per q and k (``[rows, heads, D]``) with cos/sin rows
                            gathered by position from tables built once per rope params
+                           (default RoPE, or Llama 3.1's ``llama3`` frequency scaling)
 kv_write                   ``kv_cache_write(cache, rows, slots)`` for K and V (the written caches
                            are what this block's attention reads)
 paged_attention            per row-table run: ``Fused PAGED_ATTN(q [n, Hq, k, D], K, V,
@@ -149,6 +150,20 @@ class DerivedKind(Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (``rope_type = "llama3"``): wavelengths beyond
+    ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``, those
+    below ``original / high_freq_factor`` kept, and the band between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: float
+
+    KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True, slots=True)
 class DerivedWeight:
     """A weight the graph reads that the checkpoint does not hold as one tensor."""
 
@@ -158,6 +173,43 @@ class DerivedWeight:
     theta: float = 0.0
     head_dim: int = 0
     positions: int = 0
+    scaling: Llama3RopeScaling | None = None
+    """A RoPE table's frequency scaling (``None``: Hugging Face's default RoPE)."""
+
+
+def rope_inverse_frequencies(theta: float, head_dim: int, scaling: Llama3RopeScaling | None):
+    """``[head_dim / 2]`` f32 inverse frequencies, as transformers computes them
+    (``modeling_rope_utils``: ``_compute_default_rope_parameters`` and, for llama3,
+    ``_compute_llama3_parameters``; the same float32 operations in the same order)."""
+    import math
+
+    import torch
+
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * stretched / scaling.factor + smooth * stretched
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, stretched)
+
+
+def rope_table(spec: DerivedWeight, dtype):
+    """The ``[positions, head_dim]`` cos or sin table of a RoPE :class:`DerivedWeight`:
+    angle = position * inv_freq, rotate-half layout ``cat(angles, angles)``, computed in
+    float32 and stored in ``dtype``."""
+    import torch
+
+    inv_freq = rope_inverse_frequencies(spec.theta, spec.head_dim, spec.scaling)
+    angles = torch.outer(torch.arange(spec.positions, dtype=torch.float32), inv_freq)
+    table = torch.cat((angles, angles), dim=-1)
+    return (table.cos() if spec.kind is DerivedKind.ROPE_COS else table.sin()).to(dtype)
 
 
 def concat_name(sources: Sequence[str]) -> str:
@@ -349,12 +401,34 @@ def _silu_mul(low: _Lowerer, group: Group, kernel: str) -> None:
     _silu_mul_node(low, _members(low, group)[0])
 
 
+def _rope_scaling(node: CircuitNode) -> Llama3RopeScaling | None:
+    """The node's RoPE scaling from its ``rope_type`` and ``rope_scaling`` params (the config
+    map writes the type's sub-keys as ``key=value,…``); a type fuel does not implement, or a
+    llama3 scaling missing a key or with a non-number, raises :class:`UnsupportedParam`."""
+    rope_type = node.param("rope_type", "default") or "default"
+    text = node.param("rope_scaling") or ""
+    if rope_type == "default" and not text:
+        return None
+    if rope_type != "llama3":
+        raise UnsupportedParam(node.id, "rope_type", f"{rope_type} {text}".strip())
+    values: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            values[key.strip()] = float(value)
+        except ValueError:
+            raise UnsupportedParam(node.id, f"rope_scaling.{key.strip()}", value) from None
+    missing = [key for key in Llama3RopeScaling.KEYS if key not in values]
+    if missing:
+        raise UnsupportedParam(node.id, "rope_scaling", f"llama3 {text} (missing {', '.join(missing)})")
+    if values["high_freq_factor"] == values["low_freq_factor"] or values["factor"] == 0:
+        raise UnsupportedParam(node.id, "rope_scaling", f"llama3 {text} (degenerate: division by zero)")
+    return Llama3RopeScaling(*(values[key] for key in Llama3RopeScaling.KEYS))
+
+
 def _rope_node(low: _Lowerer, node: CircuitNode) -> None:
     head_dim = low.int_param(node, "head_dim")
-    rope_type = node.param("rope_type", "default") or "default"
-    if rope_type != "default" or (node.param("rope_scaling") or ""):
-        raise UnsupportedParam(node.id, "rope_type", f"{rope_type} {node.param('rope_scaling')}".strip())
-    cos, sin = low.rope_tables(low.float_param(node, "theta"), head_dim)
+    cos, sin = low.rope_tables(low.float_param(node, "theta"), head_dim, _rope_scaling(node))
     g = low.graph
     for index, heads_key in enumerate(("q_heads", "kv_heads")):
         heads = low.int_param(node, heads_key)
@@ -566,16 +640,21 @@ class _Lowerer:
             self._weights[name] = self.graph.weight(name, (rows, *first[1:]), self.dtype)
         return self._weights[name]
 
-    def rope_tables(self, theta: float, head_dim: int) -> tuple[NodeId, NodeId]:
+    def rope_tables(self, theta: float, head_dim: int,
+                    scaling: Llama3RopeScaling | None = None) -> tuple[NodeId, NodeId]:
         """cos/sin rows for this step's positions, ``[rows, 1, head_dim]`` (one pair per rope
         params, shared by every layer)."""
-        key = (theta, head_dim)
+        key = (theta, head_dim, scaling)
         if key not in self._rope:
             g, positions = self.graph, self._input(POSITIONS, (self.rows,), DType.I64)
             pair = []
+            scaled = "" if scaling is None else ",llama3=" + "/".join(
+                f"{getattr(scaling, k):g}" for k in Llama3RopeScaling.KEYS)
             for kind in (DerivedKind.ROPE_COS, DerivedKind.ROPE_SIN):
-                name = f"rope.{kind.value[5:]}[theta={theta:g},dim={head_dim},positions={self.shape.positions}]"
-                self._derived[name] = DerivedWeight(name, kind, (), theta, head_dim, self.shape.positions)
+                name = (f"rope.{kind.value[5:]}[theta={theta:g},dim={head_dim},"
+                        f"positions={self.shape.positions}{scaled}]")
+                self._derived[name] = DerivedWeight(name, kind, (), theta, head_dim,
+                                                    self.shape.positions, scaling)
                 table = self.graph.weight(name, (self.shape.positions, head_dim), self.dtype)
                 self._weights[name] = table
                 rows = g.prim(OpKind.INDEX_SELECT, table, positions, dim=0)
@@ -686,7 +765,8 @@ def expected_weight_shapes(circuit: Circuit, section: Section | None = None) -> 
 
 __all__ = [
     "CONSTRUCTIONS", "CPU_KERNEL_MODULE", "POSITIONS", "SLOTS", "TOKENS", "CacheRef",
-    "ConstructionMismatch", "DerivedKind", "DerivedWeight", "LowerError", "NoConstruction",
-    "StepGraph", "StepShape", "StepShapeError", "UnsupportedParam", "block_table_input",
-    "concat_name", "construction_for", "context_lens_input", "expected_weight_shapes", "lower",
+    "ConstructionMismatch", "DerivedKind", "DerivedWeight", "Llama3RopeScaling", "LowerError",
+    "NoConstruction", "StepGraph", "StepShape", "StepShapeError", "UnsupportedParam",
+    "block_table_input", "concat_name", "construction_for", "context_lens_input",
+    "expected_weight_shapes", "lower", "rope_inverse_frequencies", "rope_table",
 ]

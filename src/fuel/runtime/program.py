@@ -35,7 +35,7 @@ from fuel.graph.ir import Fused, Input, Prim
 from fuel.graph.registry import RUNTIME_FUSED_BASE, fused_name
 from fuel.runtime.lower import (
     POSITIONS, SLOTS, TOKENS, DerivedKind, DerivedWeight, StepGraph, block_table_input,
-    context_lens_input,
+    context_lens_input, rope_table,
 )
 
 if TYPE_CHECKING:
@@ -63,14 +63,9 @@ class WeightStore(Mapping[str, "torch.Tensor"]):
         if spec.kind is DerivedKind.CONCAT:
             value = torch.cat([self._tensors[name] for name in spec.sources], dim=0).contiguous()
         else:
-            # Hugging Face's default RoPE: inv_freq = theta^(-2i/d), angle = position * inv_freq,
-            # tables cat(angles, angles), computed in float32 and stored in the model dtype.
-            exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
-            inv_freq = 1.0 / (spec.theta ** exponents)
-            positions = torch.arange(spec.positions, dtype=torch.float32)
-            angles = torch.outer(positions, inv_freq)
-            table = torch.cat((angles, angles), dim=-1)
-            value = (table.cos() if spec.kind is DerivedKind.ROPE_COS else table.sin()).to(self.dtype)
+            # Hugging Face's RoPE (default, or llama3-scaled frequencies), in float32, stored in
+            # the model dtype: fuel.runtime.lower.rope_table.
+            value = rope_table(spec, self.dtype)
         self._derived[spec.name] = value
 
     def __getitem__(self, name: str) -> torch.Tensor:
