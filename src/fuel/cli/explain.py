@@ -5,7 +5,9 @@ to the tensor graph with the circuit's weight shapes (no checkpoint is read), op
 the device with the kernel table bound there, the device spec's roofline and (unless
 ``--no-judge``) this machine's Judge store, and prints every decision: what was lowered to its
 recipe and why, which arms were offered or declined, and per branch the arms, their costs and
-sources, the winner and the reason.
+sources, the winner and the reason. With ``--jit`` (CPU), numba kernels are first adopted for
+the step's requests, so the branches a ``fuel run --jit`` bakes are shown; their arms are priced
+from the Judge store (an arm no run has measured is "unknown cost" and keeps arm 0).
 """
 
 from __future__ import annotations
@@ -24,6 +26,29 @@ _RUNS = {"decode": lambda rows: ((1, 1),), "draft": lambda rows: ((1, 1),),
          "multi_seq": lambda rows: ((1, rows),), "verify": lambda rows: ((rows, 1),)}
 
 
+def offline_step(model: str, plan_mode, plan_rows: int, context: int, dtype: str, backend):
+    """Plan ``model``'s step offline (the rule set's named kernels, the documented policy
+    defaults) and lower it with the circuit's weight shapes (no checkpoint is read)."""
+    from fuel.circuit.fuser import AvailableKernels, fuse
+    from fuel.circuit.policy import build_policy
+    from fuel.circuit.rules import load_builtin_rules
+    from fuel.cli.circuit import resolve_circuit
+    from fuel.graph import BackendId, DType
+    from fuel.runtime.lower import StepShape, expected_weight_shapes, lower
+
+    circuit = resolve_circuit(model, None, None)
+    rules = load_builtin_rules("cpu" if backend is BackendId.CPU else "cuda")
+    plan = fuse(circuit, rules, AvailableKernels.all_named_by(rules), build_policy(), plan_mode,
+                plan_rows)
+    block_size = 16
+    max_blocks = -(-context // block_size)
+    runs = _RUNS[plan_mode.value](plan_rows)
+    sequences = sum(n for _, n in runs)
+    return lower(plan, circuit, expected_weight_shapes(circuit),
+                 StepShape(runs, block_size, max_blocks * sequences, max_blocks, context),
+                 dtype=DType(dtype))
+
+
 @app.command("explain")
 def explain_command(
     model: Annotated[str, typer.Argument(help="A zoo model name (see `fuel models`).")],
@@ -34,11 +59,11 @@ def explain_command(
     context: Annotated[int, typer.Option("--context", help="Longest context the step may attend.")] = 1024,
     dtype: Annotated[str, typer.Option("--dtype", help="f32 or bf16.")] = "f32",
     judge: Annotated[bool, typer.Option("--judge/--no-judge", help="Use this machine's Judge store.")] = True,
+    jit: Annotated[bool, typer.Option("--jit/--no-jit", help="Adopt numba kernels for the step's requests first, so the adopted branches show (priced from the Judge store that `fuel run --jit` fills).")] = False,
 ) -> None:
     """Which arms each branch had, what each cost (and whether the Judge measured it), who won, why."""
-    from fuel.cli.circuit import resolve_circuit
     from fuel.cli.circuit_show import plan_request
-    from fuel.graph import BackendId, Device, DType
+    from fuel.graph import BackendId, Device
 
     plan_mode, plan_rows, _ = plan_request(mode, rows, None)
     if plan_mode.value not in _RUNS:
@@ -56,25 +81,19 @@ def explain_command(
     if spec_name is None:
         raise InputError("command line", "--spec", "a cuda device needs a spec to price on (see `fuel devices`)")
 
-    from fuel.circuit.fuser import AvailableKernels, fuse
-    from fuel.circuit.policy import build_policy
-    from fuel.circuit.rules import load_builtin_rules
     from fuel.cost import JudgeOracle, device as device_spec
     from fuel.kernels import torch_table
     from fuel.optimize import OptimizeOptions, optimize_graph
     from fuel.optimize.render import render_explanation
-    from fuel.runtime.lower import StepShape, expected_weight_shapes, lower
 
-    circuit = resolve_circuit(model, None, None)
-    rules = load_builtin_rules("cpu" if device.backend is BackendId.CPU else "cuda")
-    plan = fuse(circuit, rules, AvailableKernels.all_named_by(rules), build_policy(), plan_mode, plan_rows)
-    block_size = 16
-    max_blocks = -(-context // block_size)
-    runs = _RUNS[plan_mode.value](plan_rows)
-    sequences = sum(n for _, n in runs)
-    step = lower(plan, circuit, expected_weight_shapes(circuit),
-                 StepShape(runs, block_size, max_blocks * sequences, max_blocks, context),
-                 dtype=DType(dtype))
+    step = offline_step(model, plan_mode, plan_rows, context, dtype, device.backend)
+    table = torch_table(device.backend)
+    runtime, adoption_lines = None, []
+    if jit:
+        if device.backend is not BackendId.CPU:
+            raise InputError("command line", "--jit", "fuel explain adopts numba kernels for "
+                                                      "the CPU only")
+        runtime, adoption_lines = _adopt_offline(step, table)
     oracle = JudgeOracle.load(backends=(device.backend.value,)) if judge else None
     if oracle is not None and oracle.problem is not None:
         typer.echo(f"judge store not used: {oracle.problem}", err=True)
@@ -84,10 +103,31 @@ def explain_command(
     # offline explain does not know.
     jit_arch = ArchSku.CPU if device.backend is BackendId.CPU else None
     options = OptimizeOptions(device=device, device_spec=device_spec(spec_name),
-                              table=torch_table(device.backend), judge=oracle, jit_arch=jit_arch,
+                              table=table, judge=oracle, jit_arch=jit_arch, runtime=runtime,
                               jit_budget=JitBudget(max_compile_ms=JIT_BUDGET_MS))
     optimized = optimize_graph(step.graph, step.roots, options)
     cells = len(oracle) if oracle is not None else 0
     header = (f"fuel explain {model}  mode={plan_mode.value} rows={plan_rows} device={device} "
-              f"spec={spec_name} dtype={dtype} context={context} judge={cells} cells")
+              f"spec={spec_name} dtype={dtype} context={context} judge={cells} cells"
+              f"{' jit=on' if jit else ''}")
+    for line in adoption_lines:
+        header += "\n" + line
     typer.echo(render_explanation(optimized, step.graph, header), nl=False)
+
+
+def _adopt_offline(step, table):
+    """Adopt numba kernels for the step's requests (no arm is measured here: the bake prices
+    the adopted arms from the Judge store, which ``fuel run --jit`` fills)."""
+    from fuel.jit.session import JitSession, numba_available
+
+    if not numba_available():
+        return None, ["jit: declined: numba is not installed"]
+    session = JitSession(table, measure_arms=False)
+    lines = []
+    for event in session.adopt_for(step.graph, step.roots):
+        r = event.record
+        speed = (f"; kernel {r.kernel_ns / 1e3:.1f} us vs decomposed {r.decomposed_ns / 1e3:.1f} us"
+                 if r.kernel_ns and r.decomposed_ns else "")
+        lines.append(f"jit: {event.region} x{event.nodes} -> {event.output}: {r.outcome.value}"
+                     f"{speed}")
+    return session.registry, lines

@@ -108,8 +108,9 @@ class JitSession:
     """Adoption and arm measurement for one engine's programs (see the module docs).
 
     ``table`` is the engine's binding table: adopted kernels are bound into it. ``store_path``
-    is the Judge store (default: the user cache). ``profile`` times one call (tests inject a
-    forced measurement); ``measure_arms=False`` leaves pricing to whatever the store holds.
+    is the Judge store (default: the user cache). ``profile(key, call)`` times one Judge cell
+    (default: :func:`~fuel.cost.profile_kernel` with ``profile_options``; tests force chosen
+    keys); ``measure_arms=False`` leaves pricing to whatever the store holds.
     """
 
     table: Any
@@ -168,7 +169,6 @@ class JitSession:
         if not self.measure_arms or not branches:
             return []
         from fuel.cost.paths import default_store_path
-        from fuel.cost.profile import profile_kernel
         from fuel.cost.store import JudgeStore
         from fuel.optimize.judge_arms import measure_branches
 
@@ -176,7 +176,7 @@ class JitSession:
         known = lambda key: key[:5] in judge.measurements  # noqa: E731
         rows = measure_branches(graph, branches, feeds, self.table, self.backend,
                                 weights=weights, runtime=self.registry, known=known,
-                                profile=self.profile or profile_kernel, **self.profile_options)
+                                profile=self.profile, **self.profile_options)
         if not rows:
             return []
         with JudgeStore.open(self.store_path or default_store_path()) as store:

@@ -55,15 +55,17 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
                      weights=None, symbols: Mapping[str, int] | None = None,
                      runtime: RuntimeFusedRegistry | None = None,
                      known: Callable[[tuple[str, ...]], bool] = lambda key: False,
-                     profile: Callable[..., Measurement] = profile_kernel,
+                     profile: Callable[[tuple[str, ...], Callable[[], object]], Measurement]
+                     | None = None,
                      **profile_options) -> list[StoredMeasurement]:
     """Measure every arm node of ``branches`` whose Judge key is not ``known`` yet.
 
     The values the measured nodes read are computed by one run of the graph up to them (arm 0
     routes), then each node's kernel is profiled alone on them. Nodes sharing a Judge key are
     measured once (the first in id order: every layer of a model repeats the same regions).
-    ``runtime`` keys adopted kernels by their region (``providers.judge_key``); ``profile`` is
-    the timing function (tests inject a forced one).
+    ``runtime`` keys adopted kernels by their region (``providers.judge_key``); ``profile(key,
+    call)`` times one cell (default :func:`~fuel.cost.profile_kernel` with ``profile_options``;
+    tests inject a forced measurement for chosen keys).
     """
     fingerprint, libraries = device_fingerprint(backend.value), library_versions()
     wanted: dict[tuple[str, ...], tuple[NodeId, str, str]] = {}
@@ -87,13 +89,17 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
                            for i in graph.node(node_id).inputs}))
     values = _values(graph, needed, table, backend, feeds, weights)
     rows = []
-    for (op, dtype, size_class, _, source), (node_id, _, _) in sorted(wanted.items()):
+    if profile is None:
+        def profile(key, call):
+            return profile_kernel(call, **profile_options)
+    for key, (node_id, _, _) in sorted(wanted.items()):
+        op, dtype, size_class, _, source = key
         node = graph.node(node_id)
         entry = table.lookup(op_key(node.op), key_dtypes(graph, node_id), backend,
                              required_caps(node))
         args = [values[i] for i in node.inputs]
         kernel = entry.kernel(node)
-        measured = profile(lambda: kernel(*args), **profile_options)
+        measured = profile(key, lambda: kernel(*args))
         rows.append(StoredMeasurement(
             op=op, dtype=dtype, size_class=size_class, backend=backend.value,
             kernel_source=source, device_fingerprint=fingerprint, library_versions=libraries,
