@@ -48,3 +48,17 @@ def test_explain_refuses_bad_options_in_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_explain_jit_shows_the_adopted_branches_of_the_real_decode_step(capsys, tmp_path,
+                                                                        monkeypatch):
+    # Why: after adoption the lowered step carries one branch per unrunnable fused node; with no
+    # Judge cell for the adopted arm it is unpriceable and the oracle (arm 0) stands.
+    monkeypatch.setenv("FUEL_CACHE_DIR", str(tmp_path))
+    assert main(["explain", "smollm2-135m", "--jit", "--no-judge", "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "jit: paged_attn x30 -> f32[1, 9, 1, 64]: adopted" in out
+    assert "jit: residual_add_rms_norm x59 -> f32[2, 1, 576]: adopted" in out
+    assert "branches 89, baked 0" in out
+    assert out.count("fused:runtime#0x8000") == 30 and out.count("fused:runtime#0x8001") == 59
+    assert "baked to arm 0 (unknown cost)" in out

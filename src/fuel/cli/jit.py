@@ -1,11 +1,12 @@
 """``fuel jit MODEL --device cpu``: the JIT requests a model's decode step makes, what each
 synthesizer answered, and, for kernels, the verification error and measured speed.
 
-The graph is the model's decode-step fused ops at its real dims (``fuel.jit.decode_step``: one
-node per fused-op kind, since every layer repeats the same structures), not yet the lowered
-model graph; the output says so. For each node the carrier answers first (a node with a kernel
-on the device declines there); each request then goes to the synthesizers for the device, and
-each kernel through adoption (verify against the decomposition, then the cost gate).
+The graph is the model's real lowered decode step (planned offline and lowered with the
+circuit's weight shapes, as ``fuel explain`` does; no checkpoint is read). The carrier is asked
+about every fused node: those with a kernel on the device decline there (counted per op);
+the requests are grouped by structure key and shapes (every layer repeats the same regions),
+and each goes to the synthesizers for the device and each kernel through adoption (verify
+against the decomposition, then the cost gate).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from rich.console import Console
 
 from fuel.cli.app import app
 
-GRAPH_NOTE = ("graph: the decode step's fused ops at the model's dims (fuel.jit.decode_step), "
-              "one node per kind; not yet the lowered model graph")
+GRAPH_NOTE = ("graph: the model's lowered decode step (planned offline, lowered with the "
+              "circuit's weight shapes); requests grouped by structure key and shapes")
 
 
 @app.command("jit")
@@ -31,11 +32,17 @@ def jit_command(
     as_json: bool = typer.Option(False, "--json", help="Print the records as JSON."),
 ) -> None:
     """List the JIT requests of MODEL's decode step and what each synthesizer made of them."""
-    from fuel.circuit import zoo
+    from collections import Counter
+
+    from fuel.circuit.rules import Mode
+    from fuel.cli.explain import offline_step
     from fuel.errors import InputError
-    from fuel.graph import BackendId, Device, DType, RuntimeFusedRegistry
-    from fuel.jit import ArchSku, JitBudget, jit_request_for_unplaceable_fused
-    from fuel.jit.decode_step import decode_step
+    from fuel.graph import BackendId, Device, RuntimeFusedRegistry
+    from fuel.graph.branch import lower
+    from fuel.graph.ir import Fused
+    from fuel.graph.registry import fused_name
+    from fuel.jit import ArchSku, JitBudget
+    from fuel.jit.session import requests_of
 
     try:
         target = Device.parse(device)
@@ -43,7 +50,7 @@ def jit_command(
         raise InputError("--device", None, f"`{device}` is not a device (cpu or cuda[:N])")
     if dtype not in ("f32", "bf16"):
         raise InputError("--dtype", None, f"`{dtype}` is not f32 or bf16")
-    step = decode_step(zoo.config(model), context, DType(dtype))
+    step = offline_step(model, Mode.DECODE, 1, context, dtype, target.backend)
     rows = []
     if target.backend is BackendId.CPU:
         from fuel.jit.adopt import adopt
@@ -61,19 +68,20 @@ def jit_command(
             table = KernelBindingTable()
         arch, synths, adopt = ArchSku.SM90, [TritonSynthesizer()], None
     registry = RuntimeFusedRegistry()
-    for name, node in step.nodes:
-        g = step.graph
-        request = jit_request_for_unplaceable_fused(g, node, target.backend, table, arch,
-                                                    JitBudget(budget_ms))
-        shape = str(g.node(node).shape)
-        if request is None:
-            rows.append({"region": name, "output": shape, "request": None,
-                         "answer": f"carrier declined: a {target.backend.value} kernel exists "
-                                   "(or the region is not describable)"})
-            continue
+    g = step.graph
+    requests = requests_of(g, step.roots, table, target.backend, arch, JitBudget(budget_ms))
+    asking = {n for _, _, nodes in requests for n in nodes}
+    declined = Counter(fused_name(g.node(n).op.id) for n in lower(g, step.roots).order
+                       if isinstance(g.node(n).op, Fused) and n not in asking)
+    for name, count in sorted(declined.items()):
+        rows.append({"region": name, "nodes": count, "output": None, "request": None,
+                     "answer": f"carrier declined: a {target.backend.value} kernel exists "
+                               "(or the region is not describable)"})
+    for name, request, nodes in requests:
         operands = ", ".join(map(str, request.operands))
         for synth in synths:
-            row = {"region": name, "output": shape, "request": operands, "synthesizer": synth.name}
+            row = {"region": name, "nodes": len(nodes), "output": str(request.output),
+                   "request": operands, "synthesizer": synth.name}
             if adopt is None:
                 answer = synth.synthesize(request)
                 row["answer"] = getattr(answer, "reason", None) or \
@@ -93,10 +101,10 @@ def jit_command(
     console.print(f"fuel jit {model} --device {target} (context {context}, {dtype})")
     console.print(GRAPH_NOTE)
     for row in rows:
-        console.print(f"\n{row['region']} -> {row['output']}")
         if row["request"] is None:
-            console.print(f"  {row['answer']}")
+            console.print(f"\n{row['region']} x{row['nodes']}: {row['answer']}")
             continue
+        console.print(f"\n{row['region']} x{row['nodes']} -> {row['output']}")
         console.print(f"  request: {row['request']}")
         console.print(f"  {row['synthesizer']}: {row['answer']}")
         if row.get("max_abs_error") is not None:
