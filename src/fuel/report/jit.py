@@ -2,10 +2,13 @@
 
 Decides, for a circuit node no rule covers, what request the carrier
 (``fuel.jit.jit_request_for_unplaceable_fused``, SPEC §E) would make for it, or why it would
-decline. The carrier reads a *graph* node; until lowering (``lower(plan, circuit, ...)``) turns
-a gap's node into one, the request is described here from the circuit node, following the
-carrier's rules exactly where the circuit has the facts (replace the body of :func:`gap_request`
-with lower-then-carry when lowering lands; its return shape is the report schema's):
+decline. The carrier reads a lowered *graph* node, and a gap has none: lowering builds each
+group by its rule's kernel, so a node no rule covers has no plan and no construction (that is
+what makes it a gap). Decided: the request is described here from the circuit node, following
+the carrier's rules exactly where the circuit has the facts; fused nodes that *are* lowered but
+have no kernel on the device (paged attention and residual_add_rms_norm on the CPU) get the
+real carrier's requests from the lowered step (``fuel jit``, ``fuel explain --jit``, and
+``fuel run --jit`` which adopts kernels for them):
 
 - only an op with a fused op (and so a recipe) in the graph registry gets a request; any other op
   declines ("no recipe");
@@ -15,7 +18,7 @@ with lower-then-carry when lowering lands; its return shape is the report schema
   whole request rather than being approximated: never widen or substitute a dtype.
 
 ``source`` says the request was described from the circuit (``circuit-seam``), so a reader knows
-it is not yet the lowered graph node's request. Pure.
+it is not a lowered graph node's request. Pure.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from typing import Any
 from fuel.circuit.format import Format, FormatKind
 from fuel.circuit.ir import Circuit, OpKind
 
-SOURCE = ("circuit-seam: described from the circuit node; fuel.jit's carrier needs the lowered "
-          "graph node, and lowering plans to graphs has not landed")
+SOURCE = ("circuit-seam: described from the circuit node; a gap has no rule, so no lowered graph "
+          "node for fuel.jit's carrier (see `fuel jit MODEL` for the lowered step's requests)")
 
 # Circuit op -> the graph registry's fused op (fuel.graph.registry.FusedOps) with that recipe.
 FUSED_OP_OF: dict[OpKind, str] = {
