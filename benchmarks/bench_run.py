@@ -8,9 +8,11 @@ greedy ``generate``; decode time = time for N tokens minus time for 1), their ra
 >= 2x), and the bandwidth floor: the weight bytes a decode step must read (every distinct
 tensor once; the tied embedding is read whole as the LM head) over the streaming bandwidth the
 ``cpu-local`` probe measured with the same thread count, with fuel's distance from it (target
-within 3x at bf16). Usage::
+within 3x at bf16). fuel runs twice per dtype: ``--no-jit`` (paged attention and
+residual_add_rms_norm decomposed) and ``--jit`` (adopted numba kernels where the Judge measured
+them faster; the first JIT run adopts and measures, the timed runs reuse the programs). Usage::
 
-    .venv/bin/python benchmarks/bench_run.py [--tokens 64] [--threads N] [--dtype f32 --dtype bf16]
+    .venv/bin/python benchmarks/bench_run.py [--tokens 64] [--threads N] [--dtype f32 --dtype bf16] [--jit on --jit off]
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", action="append", choices=["f32", "bf16"])
+    parser.add_argument("--jit", action="append", choices=["off", "on"])
     args = parser.parse_args()
 
     from fuel.cost.probe import cpu_local_spec
@@ -85,22 +88,30 @@ def main() -> None:
     print(f"threads: {threads}; measured streaming bandwidth: {bandwidth / 1e9:.2f} GB/s "
           f"({spec.sources.get('bandwidth', 'cpu-local probe')})")
     for dtype in args.dtype or ["f32", "bf16"]:
-        model = load_model(None, dtype=dtype, max_context=512, progress=False)
+        rates = {}
+        for jit in args.jit or ["off", "on"]:
+            model = load_model(None, dtype=dtype, max_context=512, progress=False, jit=jit == "on")
+            rates[jit] = fuel_decode_rate(model, args.tokens, args.repeats)
         ids = model.tokenizer.encode(model.tokenizer.format_prompt(PROMPT))
-        fuel_rate, report = fuel_decode_rate(model, args.tokens, args.repeats)
         reference = transformers_model(model.weights, model.weights.dtype.torch)
         hf_rate = transformers_decode_rate(reference, ids, args.tokens, args.repeats)
         weight_bytes = model.weights.nbytes()
         floor_rate = bandwidth / weight_bytes
-        decode = report["steps"]["decode"]
         print(f"\n[{dtype}] {args.tokens} new tokens, prompt {len(ids)} tokens")
-        print(f"  fuel run decode:            {fuel_rate:8.2f} tokens/s "
-              f"({decode['launches_per_step']} launches, {decode['kernel_calls_per_step']} kernel calls per step)")
+        for jit, (fuel_rate, report) in rates.items():
+            decode = report["steps"]["decode"]
+            adopted = max((b["adopted_kernel_calls_per_step"] for b in report["bake_decisions"]
+                           if b["mode"] == "decode"), default=0)
+            print(f"  fuel run decode, jit {jit:>3}:   {fuel_rate:8.2f} tokens/s "
+                  f"({decode['launches_per_step']} launches, {decode['kernel_calls_per_step']} "
+                  f"kernel calls per step, {adopted} adopted-kernel calls)")
         print(f"  transformers eager generate: {hf_rate:8.2f} tokens/s")
-        print(f"  ratio fuel / transformers:   {fuel_rate / hf_rate:8.2f}x (target >= 2x)")
+        for jit, (fuel_rate, _) in rates.items():
+            print(f"  ratio fuel (jit {jit}) / transformers: {fuel_rate / hf_rate:6.2f}x (target >= 2x)")
+        best = max(rate for rate, _ in rates.values())
         print(f"  bandwidth floor: {weight_bytes / 1e6:.1f} MB of weights per token / "
               f"{bandwidth / 1e9:.2f} GB/s = {1e3 / floor_rate:.1f} ms/token ({floor_rate:.1f} tokens/s)")
-        print(f"  fuel is {floor_rate / fuel_rate:.2f}x from the floor (target within 3x at bf16)")
+        print(f"  fuel (best) is {floor_rate / best:.2f}x from the floor (target within 3x at bf16)")
         del reference
 
 
