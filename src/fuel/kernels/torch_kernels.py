@@ -334,7 +334,8 @@ _FUSED: dict[FusedOps, tuple[KernelFactory, frozenset[str], Callable[[DType], It
     FusedOps.LAYER_NORM: (_layer_norm, frozenset(), lambda d: [(d, d, d, d)]),
     FusedOps.ROPE: (_rope, frozenset({"rotate_half"}), lambda d: [(d, d, d, d)]),
     FusedOps.FUSED_LINEAR: (_fused_linear, frozenset({"bias"}), lambda d: [(d, d, d), (d, d, d, d)]),
-    FusedOps.SILU_MUL: (_fixed(lambda gate, up: F.silu(gate) * up), frozenset(),
+    # silu returns a fresh tensor, so the product is taken in place (one allocation fewer).
+    FusedOps.SILU_MUL: (_fixed(lambda gate, up: F.silu(gate).mul_(up)), frozenset(),
                         lambda d: [(d, d, d)]),
     FusedOps.FLASH_ATTN: (_flash_attn, frozenset({"causal", "gqa", "softcap", "symbolic_k_len"}),
                           lambda d: [(d, d, d, d)]),
