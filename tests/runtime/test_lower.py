@@ -180,3 +180,24 @@ def test_expected_weight_shapes_follow_the_circuit(smollm2):
     assert weights["model.layers.29.mlp.down_proj.weight"] == (576, 1536)
     assert weights["model.norm.weight"] == (576,)
     assert len(weights) == 1 + 30 * 9 + 1  # embed (= tied head), 9 per layer, final norm
+
+
+def test_rope_output_feeds_the_cache_write_and_attention_per_head_without_a_reshape_round_trip(smollm2):
+    # Flattening rope's [rows, heads, D] output and reshaping it back for the cache write and
+    # attention would be two dispatched reshapes per layer for nothing.
+    from fuel.graph.branch import lower as dispatch_order
+    from fuel.graph.ir import Prim
+    from fuel.graph.ops import OpKind
+
+    circuit, weights = smollm2
+    step = lower(plan_for(circuit, Mode.VERIFY, 4), circuit, weights, shape([(4, 1)]))
+    g = step.graph
+    writes = [n for n in g if isinstance(g.node(n).op, Prim) and g.node(n).op.kind is OpKind.KV_CACHE_WRITE]
+    k_rows = [g.node(g.node(n).inputs[1]) for n in writes[0::2]]
+    assert len(k_rows) == 30
+    assert all(isinstance(node.op, Fused) and node.op.id == FusedOps.ROPE for node in k_rows)
+    order = dispatch_order(g, step.roots).order
+    reshapes = sum(1 for n in order if isinstance(g.node(n).op, Prim) and g.node(n).op.kind is OpKind.RESHAPE)
+    # Per layer: q and k into heads for rope, v into heads for the cache, q to [n, k, H, D] for
+    # attention, attention's output back to rows.
+    assert reshapes == 30 * 5

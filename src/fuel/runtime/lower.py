@@ -435,6 +435,7 @@ def _rope_node(low: _Lowerer, node: CircuitNode) -> None:
         x = g.prim(OpKind.RESHAPE, low.read(node, index), shape=(low.rows, heads, head_dim))
         rotated = g.fused(FusedOps.ROPE, FusedOpParams.Rope(), x, cos, sin)
         low.write(node, index, g.prim(OpKind.RESHAPE, rotated, shape=(low.rows, heads * head_dim)))
+        low.per_head[node.outputs[index]] = rotated
 
 
 @_expect([CircuitOp.ROPE])
@@ -448,7 +449,7 @@ def _kv_write_node(low: _Lowerer, node: CircuitNode) -> None:
     g = low.graph
     written = []
     for index, name in ((0, cache.k_input), (1, cache.v_input)):
-        rows = g.prim(OpKind.RESHAPE, low.read(node, index), shape=(low.rows, kv_heads, head_dim))
+        rows = low.read_heads(node, index, kv_heads, head_dim)
         stored = low.input_cache(name, kv_heads, head_dim)
         written.append(g.prim(OpKind.KV_CACHE_WRITE, stored, rows, low.input_slots()))
     low.written[node.block] = (written[0], written[1])
@@ -470,7 +471,8 @@ def _paged_attention(low: _Lowerer, group: Group, kernel: str) -> None:
     params = FusedOpParams.PagedAttn(softmax_scale=low.float_param(node, "softmax_scale"),
                                      block_size=low.shape.block_size)
     g = low.graph
-    q_all = low.read(node, 0)
+    # Rope's per-head output when there is one (no reshape round trip), else the flat edge.
+    q_all = low.per_head.get(node.inputs[0], low.read(node, 0))
     outputs, start = [], 0
     for run, (k, n) in enumerate(low.shape.runs):
         q = q_all
@@ -566,6 +568,10 @@ class _Lowerer:
         self.rows = shape.rows
         self.graph = Graph()
         self.edges: dict[int, NodeId] = {}
+        self.per_head: dict[int, NodeId] = {}
+        """Edges also held as ``[rows, heads, head_dim]`` (rope's output before it is flattened),
+        so the cache write and attention read that node instead of reshaping the flat edge back:
+        the flattening reshape is then read by nobody and never dispatched."""
         self.written: dict[int, tuple[NodeId, NodeId]] = {}
         self._inputs: dict[str, NodeId] = {}
         self._weights: dict[str, NodeId] = {}
@@ -594,6 +600,14 @@ class _Lowerer:
 
     def write(self, node: CircuitNode, index: int, value: NodeId) -> None:
         self.edges[node.outputs[index]] = value
+
+    def read_heads(self, node: CircuitNode, index: int, heads: int, head_dim: int) -> NodeId:
+        """Input ``index`` of ``node`` as ``[rows, heads, head_dim]``."""
+        edge = node.inputs[index]
+        held = self.per_head.get(edge)
+        if held is not None and self.graph.node(held).shape.dims == (self.rows, heads, head_dim):
+            return held
+        return self.graph.prim(OpKind.RESHAPE, self.edges[edge], shape=(self.rows, heads, head_dim))
 
     # Leaves.
     def _input(self, name: str, dims: tuple[int, ...], dtype: DType) -> NodeId:
