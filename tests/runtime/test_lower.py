@@ -61,7 +61,7 @@ def test_decode_groups_become_the_fused_nodes_their_kernels_name(smollm2):
     # 30 layers: qkv, o, gate_up and down projections, plus the tied LM head.
     assert census["FUSED_LINEAR"] == 30 * 4 + 1
     assert census["PAGED_ATTN"] == 30
-    assert census["ROPE"] == 60  # q and k per layer
+    assert census["ROPE"] == 30  # q and k of a layer together (adjacent columns of the qkv output)
     assert census["SILU_MUL"] == 30
     # Every residual add but the last fuses the next norm; the final norm stays alone.
     assert census["RESIDUAL_ADD_RMS_NORM"] == 59
@@ -184,7 +184,8 @@ def test_expected_weight_shapes_follow_the_circuit(smollm2):
 
 def test_rope_output_feeds_the_cache_write_and_attention_per_head_without_a_reshape_round_trip(smollm2):
     # Flattening rope's [rows, heads, D] output and reshaping it back for the cache write and
-    # attention would be two dispatched reshapes per layer for nothing.
+    # attention would be two dispatched reshapes per layer for nothing; and q and k, adjacent
+    # columns of the qkv projection, are rotated by one rope node.
     from fuel.graph.branch import lower as dispatch_order
     from fuel.graph.ir import Prim
     from fuel.graph.ops import OpKind
@@ -195,9 +196,12 @@ def test_rope_output_feeds_the_cache_write_and_attention_per_head_without_a_resh
     writes = [n for n in g if isinstance(g.node(n).op, Prim) and g.node(n).op.kind is OpKind.KV_CACHE_WRITE]
     k_rows = [g.node(g.node(n).inputs[1]) for n in writes[0::2]]
     assert len(k_rows) == 30
-    assert all(isinstance(node.op, Fused) and node.op.id == FusedOps.ROPE for node in k_rows)
+    assert all(node.op.kind is OpKind.SLICE and node.shape.dims == (4, 3, 64) for node in k_rows)
+    ropes = [g.node(node.inputs[0]) for node in k_rows]
+    assert all(isinstance(r.op, Fused) and r.op.id == FusedOps.ROPE and r.shape.dims == (4, 9 + 3, 64)
+               for r in ropes)
     order = dispatch_order(g, step.roots).order
     reshapes = sum(1 for n in order if isinstance(g.node(n).op, Prim) and g.node(n).op.kind is OpKind.RESHAPE)
-    # Per layer: q and k into heads for rope, v into heads for the cache, q to [n, k, H, D] for
-    # attention, attention's output back to rows.
-    assert reshapes == 30 * 5
+    # Per layer: q and k together into heads for rope, v into heads for the cache, q to
+    # [n, k, H, D] for attention, attention's output back to rows.
+    assert reshapes == 30 * 4

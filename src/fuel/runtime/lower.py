@@ -22,7 +22,8 @@ linear, lm_head            ``Fused FUSED_LINEAR(x, W[, bias])``; several weight 
 qkv_projection             one ``Fused FUSED_LINEAR`` over ``[Wq; Wk; Wv]`` (concatenated once),
                            then column slices for q, k, v
 silu_mul                   column slices gate/up of ``gate_up_out`` → ``Fused SILU_MUL``
-rope                       ``Fused ROPE`` per q and k (``[rows, heads, D]``) with cos/sin rows
+rope                       ``Fused ROPE`` over q and k (``[rows, heads, D]``; one node over both
+                           when they are adjacent column slices of one projection) with cos/sin rows
                            gathered by position from tables built once per rope params
                            (default RoPE, or Llama 3.1's ``llama3`` frequency scaling)
 kv_write                   ``kv_cache_write(cache, rows, slots)`` for K and V (the written caches
@@ -62,7 +63,7 @@ from fuel.circuit.ir import Circuit, Node as CircuitNode, OpKind as CircuitOp, S
 from fuel.circuit.rules import Mode
 from fuel.errors import FuelError
 from fuel.graph.dtype import DType
-from fuel.graph.ir import Graph, NodeId
+from fuel.graph.ir import Graph, NodeId, Prim
 from fuel.graph.ops import OpKind
 from fuel.graph.registry import FusedOpParams, FusedOps
 
@@ -426,15 +427,43 @@ def _rope_scaling(node: CircuitNode) -> Llama3RopeScaling | None:
     return Llama3RopeScaling(*(values[key] for key in Llama3RopeScaling.KEYS))
 
 
+def _adjacent_columns(graph: Graph, first: NodeId, second: NodeId) -> tuple[NodeId, int, int] | None:
+    """``(source, start, end)`` when ``first`` and ``second`` are column slices of one value
+    with ``second`` starting where ``first`` ends (q and k cut from one qkv projection)."""
+    a, b = graph.node(first), graph.node(second)
+    if not (isinstance(a.op, Prim) and isinstance(b.op, Prim)
+            and a.op.kind is OpKind.SLICE and b.op.kind is OpKind.SLICE
+            and a.inputs[0] == b.inputs[0]):
+        return None
+    sa, sb = a.op.attr_dict(), b.op.attr_dict()
+    if sa["dim"] != 1 or sb["dim"] != 1 or sa["end"] != sb["start"]:
+        return None
+    return a.inputs[0], sa["start"], sb["end"]
+
+
 def _rope_node(low: _Lowerer, node: CircuitNode) -> None:
     head_dim = low.int_param(node, "head_dim")
     cos, sin = low.rope_tables(low.float_param(node, "theta"), head_dim, _rope_scaling(node))
     g = low.graph
-    for index, heads_key in enumerate(("q_heads", "kv_heads")):
-        heads = low.int_param(node, heads_key)
-        x = g.prim(OpKind.RESHAPE, low.read(node, index), shape=(low.rows, heads, head_dim))
+    heads = [low.int_param(node, key) for key in ("q_heads", "kv_heads")]
+    joint = _adjacent_columns(g, low.read(node, 0), low.read(node, 1))
+    if joint is not None:
+        # q and k are adjacent columns of one projection: rotate all their heads in one call
+        # (RoPE is per head, cos/sin broadcast over heads), then take each side's heads.
+        source, start, end = joint
+        qk = g.prim(OpKind.SLICE, source, dim=1, start=start, end=end)
+        x = g.prim(OpKind.RESHAPE, qk, shape=(low.rows, sum(heads), head_dim))
         rotated = g.fused(FusedOps.ROPE, FusedOpParams.Rope(), x, cos, sin)
-        low.write(node, index, g.prim(OpKind.RESHAPE, rotated, shape=(low.rows, heads * head_dim)))
+        parts = (g.prim(OpKind.SLICE, rotated, dim=1, start=0, end=heads[0]),
+                 g.prim(OpKind.SLICE, rotated, dim=1, start=heads[0], end=sum(heads)))
+    else:
+        parts = tuple(
+            g.fused(FusedOps.ROPE, FusedOpParams.Rope(),
+                    g.prim(OpKind.RESHAPE, low.read(node, index), shape=(low.rows, count, head_dim)),
+                    cos, sin)
+            for index, count in enumerate(heads))
+    for index, (count, rotated) in enumerate(zip(heads, parts)):
+        low.write(node, index, g.prim(OpKind.RESHAPE, rotated, shape=(low.rows, count * head_dim)))
         low.per_head[node.outputs[index]] = rotated
 
 
