@@ -23,7 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,6 +224,19 @@ class Graph:
         shape, dtype = infer_fused(fused_id, params, [n.shape for n in nodes],
                                    [n.dtype for n in nodes])
         return self.push(Node(Fused(fused_id, params), tuple(inputs), shape, dtype))
+
+    def value_bytes(self, node_id: NodeId, symbols: Mapping[str, int] | None = None) -> int | None:
+        """Bytes of a node's value, symbolic dims bound from ``symbols``; ``None`` when a symbol
+        has no binding (its size is unknown, never guessed)."""
+        node = self._nodes[node_id]
+        count = 1
+        for dim in node.shape.dims:
+            if isinstance(dim, str):
+                if symbols is None or dim not in symbols:
+                    return None
+                dim = symbols[dim]
+            count *= int(dim)
+        return node.dtype.storage_bytes(count)
 
     def describe(self, node_id: NodeId) -> str:
         node = self._nodes[node_id]

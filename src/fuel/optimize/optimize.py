@@ -297,20 +297,9 @@ def _residency(graph: Graph, decisions: Iterable[Decision], symbols: Mapping[str
                 if source is None or target is None or source == target:
                     continue
                 copies.append(ResidencyCopy(decision.branch, arm, value, source, target,
-                                            _bytes(graph, value, symbols)))
+                                            graph.value_bytes(value, symbols)))
     return tuple(copies)
 
-
-def _bytes(graph: Graph, node_id: NodeId, symbols: Mapping[str, int]) -> int | None:
-    node = graph.node(node_id)
-    count = 1
-    for dim in node.shape.dims:
-        if isinstance(dim, str):
-            if dim not in symbols:
-                return None
-            dim = symbols[dim]
-        count *= int(dim)
-    return node.dtype.storage_bytes(count)
 
 
 def offer_arms(graph: Graph, roots: Iterable[NodeId],

@@ -105,14 +105,11 @@ def recipe_estimate(graph: Graph, node_id: NodeId, pricing: Pricing) -> CostEsti
             matrix, matrix_dtype = matrix + work.matrix_flops, work.matrix_dtype
     boundary = 0
     for leaf in (*binds, root):
-        count = 1
-        for dim in scratch.node(leaf).shape.dims:
-            if isinstance(dim, str):
-                if dim not in pricing.symbols:
-                    return Unestimated(f"node {node_id}: symbolic dim `{dim}` has no capacity")
-                dim = int(pricing.symbols[dim])
-            count *= dim
-        boundary += scratch.node(leaf).dtype.storage_bytes(count)
+        size = scratch.value_bytes(leaf, pricing.symbols)
+        if size is None:
+            return Unestimated(f"node {node_id}: symbolic dims of {scratch.node(leaf).shape} "
+                               "have no capacity")
+        boundary += size
     return CostEstimate(flops=flops, bytes=boundary, launches=1, matrix_flops=matrix,
                         matrix_dtype=matrix_dtype)
 

@@ -138,17 +138,6 @@ class PickerPricing:
     symbols: Mapping[str, int] = field(default_factory=dict)
 
 
-def _bytes(graph: Graph, node_id: NodeId, symbols: Mapping[str, int]) -> int | None:
-    node = graph.node(node_id)
-    count = 1
-    for dim in node.shape.dims:
-        if isinstance(dim, str):
-            if dim not in symbols:
-                return None
-            dim = symbols[dim]
-        count *= int(dim)
-    return node.dtype.storage_bytes(count)
-
 
 def _arm_latency(graph: Graph, branch: NodeId, arm: int, device: Device | None,
                  pricing: PickerPricing | None) -> int | None:
@@ -189,7 +178,7 @@ def pick_route(optimized, graph: Graph, signals: SignalProvider | None,
         for arm, (exit, device, interior) in enumerate(zip(exits, devices, interiors)):
             report = reports.get(device)
             inbound = [c.bytes for c in copies.get(arm, ())]
-            own = [_bytes(graph, n, symbols) for n in interior]
+            own = [graph.value_bytes(n, symbols) for n in interior]
             parts = own + inbound
             needed = None if any(p is None for p in parts) else sum(parts)
             fit = would_fit(report, needed)
