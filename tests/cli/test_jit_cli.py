@@ -21,7 +21,7 @@ def test_jit_json_lists_the_lowered_decode_steps_requests_answers_errors_and_spe
     by_region = {r["region"]: r for r in document["records"]}
     # Counted over the real lowered graph: 30 layers, every node asked.
     assert {name: r["nodes"] for name, r in by_region.items()} == {
-        "fused_linear": 121, "rms_norm": 2, "rope": 60, "silu_mul": 30, "paged_attn": 30,
+        "fused_linear": 121, "rms_norm": 2, "rope": 30, "silu_mul": 30, "paged_attn": 30,
         "residual_add_rms_norm": 59}
     # The CPU's deliberate gaps make requests; the rest decline at the carrier.
     for covered in ("fused_linear", "rms_norm", "rope", "silu_mul"):

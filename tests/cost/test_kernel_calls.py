@@ -37,6 +37,9 @@ def _entry(graph, node_id):
 def _dispatched(graph, node_id) -> list[str]:
     kernel = _entry(graph, node_id).kernel(graph.node(node_id))
     tensors = _inputs(graph, node_id)
+    # One call first: a linear prepares its weight's layout once per weight (transpose, pack),
+    # which every later step reuses; the declared count is the steady per-step figure.
+    kernel(*tensors)
     with _CountCalls() as counter:
         kernel(*tensors)
     return counter.calls

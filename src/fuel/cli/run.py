@@ -82,11 +82,17 @@ def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, spe
 
 def print_report(console: Console, result: dict[str, Any]) -> None:
     rate = result["decode_tokens_per_s"]
+    steady = result["decode_tokens_per_s_steady"]
     console.print(
         f"\n[bold]{result['model']}[/] ({result['dtype']}, {result['threads']} threads): "
         f"{result['generated_tokens']} tokens for {result['sequences']} sequence(s); decode "
-        f"[bold]{rate if rate is not None else '-'}[/] tokens/s; prefill {result['prefill_s']:.2f} s",
+        f"[bold]{steady if steady is not None else '-'}[/] tokens/s without program builds "
+        f"({rate if rate is not None else '-'} with them); prefill {result['prefill_s']:.2f} s",
         markup=True)
+    builds = result["program_builds"]
+    if builds:
+        console.print("program builds (lower + optimize + JIT adoption + Judge measurement): " + ", ".join(
+            f"{mode} {row['count']} in {row['seconds']:.2f} s" for mode, row in builds.items()))
     if "speculation" in result:
         spec = result["speculation"]
         rate_text = f"{spec['acceptance_rate']:.1%}" if spec["acceptance_rate"] is not None else "-"

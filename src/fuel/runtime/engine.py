@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,11 @@ class EngineStats:
     launches: Counter = field(default_factory=Counter)
     dispatched: Counter = field(default_factory=Counter)
     digests: dict[str, str] = field(default_factory=dict)
+    # Programs built (lower + optimize, JIT adoption and Judge measurement included) and the
+    # seconds they took, by the mode of the step that needed them: a rate that counts them
+    # measures compilation, not decoding.
+    builds: Counter = field(default_factory=Counter)
+    build_s: Counter = field(default_factory=Counter)
 
     def record(self, mode: Mode, program: StepProgram) -> None:
         self.steps[mode.value] += 1
@@ -109,7 +115,8 @@ class EngineStats:
         self.digests.setdefault(program.digest, f"{mode.value} rows={program.step.plan.rows}")
 
     def reset(self) -> None:
-        for counter in (self.steps, self.rows, self.launches, self.dispatched):
+        for counter in (self.steps, self.rows, self.launches, self.dispatched, self.builds,
+                        self.build_s):
             counter.clear()
         self.digests.clear()
 
@@ -274,7 +281,13 @@ class Engine:
         longest = max(start + k for start, k in zip(starts, lengths))
         width = min(self.max_blocks, 1 << max(0, math.ceil(math.log2(math.ceil(longest / self.block_size)))))
         shape = StepShape(runs, self.block_size, self.num_blocks, width, self.max_context)
-        program = self.program(self.plan(mode, rows, row_table), shape)
+        plan = self.plan(mode, rows, row_table)
+        if (plan.digest, shape) not in self._programs:
+            started = time.perf_counter()
+            self.program(plan, shape)
+            self.stats.builds[mode.value] += 1
+            self.stats.build_s[mode.value] += time.perf_counter() - started
+        program = self.program(plan, shape)
 
         positions = [p for start, k in zip(starts, lengths) for p in range(start, start + k)]
         feeds: dict[str, Any] = {

@@ -148,6 +148,7 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
     decode_s = max((o.timing.decode_s for o in outs), default=0.0)
     decode_tokens = sum(o.timing.decode_tokens for o in outs)
     prefill_s = sum(o.timing.prefill_s for o in outs)
+    decode_build_s = sum(seconds for mode, seconds in stats.build_s.items() if mode != "prefill")
     per_step = {mode: {"steps": count,
                        "launches_per_step": round(stats.launches[mode] / count, 1),
                        "kernel_calls_per_step": round(stats.dispatched[mode] / count, 1),
@@ -175,6 +176,12 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
         "prefill_s": round(prefill_s, 4),
         "decode_s": round(decode_s, 4),
         "decode_tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
+        # Programs built while decoding (a wider block table, a new verify shape) are
+        # compilation: the steady rate leaves their seconds out.
+        "decode_tokens_per_s_steady": (round(decode_tokens / steady_s, 3)
+                                       if (steady_s := decode_s - decode_build_s) > 0 else None),
+        "program_builds": {mode: {"count": count, "seconds": round(stats.build_s[mode], 3)}
+                           for mode, count in sorted(stats.builds.items())},
         "steps": per_step,
         "plan_digests": dict(sorted(stats.digests.items(), key=lambda item: item[1])),
         "bake_decisions": bakes,
