@@ -410,7 +410,7 @@ def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
 # The paged-attention template.
 _PAGED_BODY = '''
 @njit("void(float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], {index}[:, ::1], {index}[::1], float64, float64)",
-      parallel={parallel}, fastmath=False, cache=True)
+      parallel={parallel}, fastmath={{"reassoc", "contract"}}, cache=True)
 def {name}(out, q, k_cache, v_cache, block_table, context_lens, scale, softcap):
     batch, q_heads, q_len, head_dim = q.shape
     block_size = k_cache.shape[1]
@@ -438,22 +438,15 @@ def {name}(out, q, k_cache, v_cache, block_table, context_lens, scale, softcap):
             key = k_cache[block, offset, kv]
             for g in range(group):
                 query = q[b, kv * group + g, i]
-                # Four partial sums: one f64 accumulator is a serial dependency chain (no
-                # fastmath reordering); four independent chains run ~4x faster.
-                s0 = 0.0
-                s1 = 0.0
-                s2 = 0.0
-                s3 = 0.0
-                for d in range(0, head_dim - head_dim % 4, 4):
-                    s0 += query[d] * key[d]
-                    s1 += query[d + 1] * key[d + 1]
-                    s2 += query[d + 2] * key[d + 2]
-                    s3 += query[d + 3] * key[d + 3]
-                for d in range(head_dim - head_dim % 4, head_dim):
-                    s0 += query[d] * key[d]
-                s = ((s0 + s1) + (s2 + s3)) * scale{softcap}
+                # An f32 dot product the compiler may reassociate (fastmath `reassoc` only:
+                # NaN and infinity semantics stay IEEE), so it vectorizes; the recipe's own
+                # matmul accumulates in f32 too.
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += query[d] * key[d]
+                s = np.float64(dot) * scale{softcap}
                 scores[g, t] = s
-        acc = np.zeros((group, head_dim), np.float64)
+        acc = np.zeros((group, head_dim), np.float32)
         for g in range(group):
             top = -math.inf
             for t in range(visible):
@@ -470,7 +463,7 @@ def {name}(out, q, k_cache, v_cache, block_table, context_lens, scale, softcap):
             offset = t % block_size
             value = v_cache[block, offset, kv]
             for g in range(group):
-                w = scores[g, t]
+                w = np.float32(scores[g, t])
                 for d in range(head_dim):
                     acc[g, d] += w * value[d]
         for g in range(group):
