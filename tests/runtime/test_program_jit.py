@@ -93,13 +93,21 @@ def test_greedy_tokens_with_jit_equal_transformers(jit_run, smollm2_oracle, prom
 @pytest.mark.slow
 def test_a_second_engine_on_the_same_store_measures_nothing(jit_run, smollm2_weights, numba_cache,
                                                              prompt_ids, tmp_path):
-    # Why: measurements persist; a later run reads the cells instead of timing again.
+    # Why: measurements persist; a later run reads the cells instead of timing again. Adoption
+    # is cost-gated on a live measurement, so on a loaded machine the later run may adopt a
+    # kernel the first run rejected and measure that new branch; it must never re-measure a
+    # cell the first run stored.
     engine, session, _ = jit_run
     store = session.store_path
     again, later = jit_engine(smollm2_weights, tmp_path, numba_cache)
     later.store_path = store
     generate(again, prompt_ids, 4)
-    assert later.measured == []
+
+    def cell(m):
+        return (m.op, m.dtype, m.size_class, m.backend, m.kernel_source)
+
+    assert session.measured
+    assert not {cell(m) for m in later.measured} & {cell(m) for m in session.measured}
     assert sum(p.runtime_fused_executed() for p in decode_programs(again)) >= 30
 
 
