@@ -62,7 +62,7 @@ class TritonSynthesizer:
         try:
             import triton  # noqa: F401
         except ImportError:
-            return Declined("triton is not installed (pip install 'fuel[jit]')")
+            return Declined("triton is not installed (pip install 'fuel[cuda]')")
         plan = _plan(request)
         if isinstance(plan, Declined):
             return plan

@@ -1,0 +1,7 @@
+"""``python -m fuel`` is the ``fuel`` command: same commands, same exit statuses."""
+
+import sys
+
+from fuel.cli import main
+
+sys.exit(main())
