@@ -1,11 +1,15 @@
-"""Config maps (SPEC §A4): strict classification; every refusal names the config file and key."""
+"""Config maps (SPEC §A4): strict classification; every refusal names the config file and key;
+a corpus of real published configs gets its recorded outcome; bad values are refused at the
+boundary."""
 
 import json
+import math
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from fuel.circuit import zoo
+from fuel.circuit import config_map, zoo
 from fuel.circuit.config_map import (
     ConfigMapError,
     ConfigRefused,
@@ -162,11 +166,6 @@ def test_every_zoo_config_passes_its_map_without_refusal():
 
 
 # --------------------------------------------------------------------------- the corpus
-
-import math  # noqa: E402
-import tomllib  # noqa: E402
-
-from fuel.circuit import config_map  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "configs"
 EXPECTED = tomllib.loads((CORPUS / "SOURCES.toml").read_text())["config"]

@@ -582,7 +582,8 @@ class _Reader:
         if rule.kind == "param":
             assert rule.param is not None
             if rule.check == "positive":
-                self.positive(key, value, f"`{rule.param}` must be a usable number")
+                self.positive(key, value, "it enters the model's arithmetic, where zero, a "
+                                          "negative, NaN or infinity gives no usable output")
             elif rule.check == "size":
                 self.size(key, value, what="it is a length")
             elif rule.check == "bool" and not isinstance(value, bool):
