@@ -297,3 +297,31 @@ def test_a_huge_integer_in_the_json_is_a_clear_refusal(tmp_path):
 
 def test_the_bounds_cover_every_published_model():
     assert config_map.MAX_LAYERS >= 126 and config_map.MAX_SIZE >= 10_485_760
+
+
+MAP_HEAD = ('schema = 1\narch = "dense_gqa"\nmodel_types = ["x"]\nlayers = "num_hidden_layers"\n'
+            'layer_kinds = "full_attention"\n[dims]\nhidden = "hidden_size"\n')
+
+
+@pytest.mark.parametrize("tail,key", [
+    ('[spellings]\nd = "torch_dtype"\n', "spellings.d"),  # the map reads no torch_dtype
+    ('[keys]\neps = { ignore = "x" }\n[spellings]\neps = "hidden_size"\n', "spellings.eps"),
+    ('[rope]\ntheta_default = 10000.0\ntypes = { llama3 = [] }\n', "rope.types"),
+    ('[rope]\ntheta_default = 0\ntypes = { default = [] }\n', "rope.theta_default"),
+    ('[rope]\ntheta_default = 1.0\ntypes = { default = [] }\n[keys]\nrope_theta = { ignore = "x" }\n',
+     "keys.rope_theta"),
+    ('[keys]\neps = { param = "eps", check = "finite" }\n', "keys.eps.check"),
+    ('[keys]\nlayer_types = { require_each = "full_attention" }\n', "keys.layer_types.why"),
+])
+def test_a_map_that_misuses_spellings_rope_or_checks_is_a_load_error(tmp_path, tail, key):
+    path = tmp_path / "bad.toml"
+    path.write_text(MAP_HEAD + tail)
+    with pytest.raises(ConfigMapError) as caught:
+        load_config_map(path)
+    assert caught.value.key == key and str(path) in str(caught.value)
+
+
+def test_every_builtin_map_reads_both_dtype_spellings_and_the_rope():
+    for m in builtin_maps():
+        assert ("dtype", "torch_dtype") in m.spellings, m.file
+        assert m.rope is not None and dict(m.rope.types)["default"] == (), m.file
