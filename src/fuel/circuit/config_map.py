@@ -70,13 +70,14 @@ SCHEMA = 1
 MAPS_DIR = Path(__file__).resolve().parent.parent / "data" / "configmaps"
 
 MAX_LAYERS = 1024
-"""The most layers a config may state: an order of magnitude past the deepest published
-decoder, and far below the count whose circuit would exhaust memory while being built."""
+"""The most layers a config may state: ten times the deepest config in the corpus of real
+ones (tests/data/configs, 94 layers), and far below the count whose circuit would exhaust
+memory while being built (a billion layers would)."""
 
 MAX_SIZE = 2**24
-"""The largest dim or context length a config may state (16,777,216): past every published
-vocabulary, width and context window, and small enough that any product of two sizes stays
-exact and every buffer size fits 64 bits."""
+"""The largest dim or context length a config may state (16,777,216): at least 64 times every
+context length, vocabulary and width in the corpus, and small enough that any product of two
+sizes stays exact and every buffer size fits 64 bits."""
 
 _WEIGHT_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 _CHECKS = ("positive", "size", "bool")
