@@ -4,7 +4,9 @@ Decides which built-in circuit serves a checkpoint and refuses every checkpoint 
 serve wrong. Each map (``fuel/data/configmaps/*.toml``) names the ``model_type`` values it
 serves and classifies every config key it knows; a key it does not classify refuses the
 checkpoint, so a new feature in a config (a rope type, a sliding window, a bias) is never
-silently ignored.
+silently ignored. It also decides which values are sane: sizes are positive integers below a
+bound, grouped-query heads divide, top-k fits the experts, eps and rope theta are finite and
+positive.
 
 Map file (``schema = 1``; unknown keys refused)::
 
@@ -21,24 +23,31 @@ Map file (``schema = 1``; unknown keys refused)::
     head_dim = { key = "head_dim", otherwise = "hidden / q_heads" }
     [params]                              # constant params the family implies
     attention_block = "plain"
+    [spellings]                           # another spelling = the key the map classifies
+    dtype = "torch_dtype"                 # (transformers 5 renamed these)
+    [rope]                                # the rope: rope_theta + rope_scaling (transformers 4)
+    theta_default = 10000.0               # or rope_parameters (transformers 5)
+    types = { default = [], llama3 = ["factor", ...] }       # sub-keys each type needs
     [keys]                                # every other key, exactly one class each:
     torch_dtype = { weight_format = true }                     # bfloat16 | float16 | float32
     hidden_act = { require = "silu", why = "..." }             # optional default = HF default
     sliding_window = { require_null = true, why = "..." }      # null or absent
-    rope_theta = { param = "rope_theta", default = 10000.0 }
+    layer_types = { require_each = "full_attention", why = "..." }  # one per layer, each this
+    rms_norm_eps = { param = "rms_norm_eps", check = "positive" }   # check: positive | size | bool
     initializer_range = { ignore = "training only" }
-    [keys.rope_scaling]                                        # a typed sub-table
-    type_key = "rope_type"                                     # null/absent = default rope
-    param = "rope"                                             # -> params rope_type, rope_scaling
-    types = { llama3 = ["factor", "low_freq_factor", ...] }    # sub-keys each type needs
 
 Params are strings: ``true``/``false`` for booleans, Python ``repr`` for numbers. Besides the
 map's params the shape always carries ``softmax_scale`` = 1/sqrt(head_dim) when the map has a
-``head_dim`` dim, and ``rope_type`` / ``rope_scaling`` from the rope entry.
+``head_dim`` dim, and, with a ``[rope]`` table, ``rope_theta`` (a float), ``rope_type`` and
+``rope_scaling`` (the type's sub-keys, ``k=v`` comma-joined, sorted; empty for default).
+
+Two spellings of one setting (``torch_dtype`` and ``dtype``, ``rope_theta`` and
+``rope_parameters.rope_theta``, ``rope_scaling`` and ``rope_parameters``) may both appear;
+they must state the same value, or the config is refused naming both keys.
 
 Invariants: every key of the (followed) config is consumed by exactly one classification, or
-the result is a typed refusal naming the config file and the key; the shape is a pure function
-of the config and the map.
+the result is a typed refusal naming the config file and the key as the config spells it; the
+shape is a pure function of the config and the map.
 """
 
 from __future__ import annotations
@@ -60,7 +69,19 @@ from fuel.errors import InputError
 SCHEMA = 1
 MAPS_DIR = Path(__file__).resolve().parent.parent / "data" / "configmaps"
 
+MAX_LAYERS = 1024
+"""The most layers a config may state: ten times the deepest config in the corpus of real
+ones (tests/data/configs, 94 layers), and far below the count whose circuit would exhaust
+memory while being built (a billion layers would)."""
+
+MAX_SIZE = 2**24
+"""The largest dim or context length a config may state (16,777,216): at least 64 times every
+context length, vocabulary and width in the corpus, and small enough that any product of two
+sizes stays exact and every buffer size fits 64 bits."""
+
 _WEIGHT_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+_CHECKS = ("positive", "size", "bool")
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
 class ConfigMapError(InputError):
@@ -97,6 +118,16 @@ class MissingKey(ConfigRefused):
         super().__init__(file, key, detail)
 
 
+class ConflictingSpellings(ConfigRefused):
+    """One setting stated under two spellings (transformers 4's and 5's) with two values."""
+
+    def __init__(self, file: str, key: str, value: object, other_key: str, other_value: object):
+        self.value, self.other_key, self.other_value = value, other_key, other_value
+        super().__init__(file, key, f"is `{_show(value)}`, but `{other_key}` is "
+                                    f"`{_show(other_value)}`: they are two spellings of one setting "
+                                    "(transformers renamed it), so they must agree; keep one")
+
+
 def _show(value: object) -> str:
     return json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
 
@@ -105,6 +136,10 @@ def _same(value: object, expected: object) -> bool:
     """JSON equality where ``true`` never equals ``1`` (Python's bool is an int)."""
     if isinstance(value, bool) or isinstance(expected, bool):
         return isinstance(value, bool) and isinstance(expected, bool) and value == expected
+    if isinstance(value, Mapping) and isinstance(expected, Mapping):
+        return set(value) == set(expected) and all(_same(value[k], expected[k]) for k in value)
+    if isinstance(value, list) and isinstance(expected, list):
+        return len(value) == len(expected) and all(_same(a, b) for a, b in zip(value, expected))
     return value == expected
 
 
@@ -132,7 +167,7 @@ class DimSource:
 @dataclass(frozen=True, slots=True)
 class KeyRule:
     """How one config key is classified. ``kind`` is ignore | param | require | require_null |
-    weight_format | typed."""
+    require_each | weight_format; ``check`` (params only) is positive | size | bool | None."""
 
     key: str
     kind: str
@@ -141,8 +176,16 @@ class KeyRule:
     value: Any = None
     has_default: bool = False
     default: Any = None
-    type_key: str | None = None
-    types: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    check: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RopeRule:
+    """The rope a circuit models: its theta when the config states none, and each rope type
+    with the sub-keys it needs (``default`` needs none)."""
+
+    theta_default: float
+    types: tuple[tuple[str, tuple[str, ...]], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +202,8 @@ class ConfigMap:
     dims: tuple[DimSource, ...]
     params: tuple[tuple[str, str], ...]
     keys: tuple[KeyRule, ...]
+    spellings: tuple[tuple[str, str], ...] = ()
+    rope: RopeRule | None = None
 
 
 # --------------------------------------------------------------------------- loading maps
@@ -174,53 +219,63 @@ def _expect(file: str, key: str, value: Any, kind: type) -> Any:
     return value
 
 
+_CLASSES = ("ignore", "param", "require", "require_null", "require_each", "weight_format")
+_ALLOWED = {
+    "ignore": {"ignore"},
+    "param": {"param", "default", "check"},
+    "require": {"require", "why", "default"},
+    "require_null": {"require_null", "why"},
+    "require_each": {"require_each", "why"},
+    "weight_format": {"weight_format"},
+}
+
+
 def _key_rule(file: str, key: str, raw: Any) -> KeyRule:
     where = f"keys.{key}"
     if not isinstance(raw, dict):
         raise _fail(file, where, "expected a table such as { ignore = \"why\" }")
-    # A typed sub-table names its output param too, so `type_key` decides the class first.
-    classes = ["type_key"] if "type_key" in raw else [
-        c for c in ("ignore", "param", "require", "require_null", "weight_format") if c in raw]
+    classes = [c for c in _CLASSES if c in raw]
     if len(classes) != 1:
-        raise _fail(file, where, "give exactly one of ignore, param, require, require_null, "
-                                 "weight_format, type_key")
+        raise _fail(file, where, f"give exactly one of {', '.join(_CLASSES)}")
     kind = classes[0]
-    allowed = {
-        "ignore": {"ignore"},
-        "param": {"param", "default"},
-        "require": {"require", "why", "default"},
-        "require_null": {"require_null", "why"},
-        "weight_format": {"weight_format"},
-        "type_key": {"type_key", "param", "types"},
-    }[kind]
     for name in sorted(raw):
-        if name not in allowed:
+        if name not in _ALLOWED[kind]:
             raise _fail(file, f"{where}.{name}", f"unknown key for a `{kind}` classification")
     has_default, default = "default" in raw, raw.get("default")
     if kind == "ignore":
         return KeyRule(key, kind, reason=_expect(file, f"{where}.ignore", raw["ignore"], str))
     if kind == "param":
+        check = raw.get("check")
+        if check is not None and check not in _CHECKS:
+            raise _fail(file, f"{where}.check", f"one of {', '.join(_CHECKS)}, got `{check!r}`")
         return KeyRule(key, kind, param=_expect(file, f"{where}.param", raw["param"], str),
-                       has_default=has_default, default=default)
-    if kind in ("require", "require_null"):
-        why = raw.get("why")
-        if not isinstance(why, str) or not why:
-            raise _fail(file, f"{where}.why", "a requirement says why")
-        return KeyRule(key, kind, reason=why, value=raw.get("require"), has_default=has_default,
-                       default=default)
+                       has_default=has_default, default=default, check=check)
     if kind == "weight_format":
         return KeyRule(key, kind)
-    types_raw = raw.get("types")
-    if not isinstance(types_raw, dict) or not types_raw:
-        raise _fail(file, f"{where}.types", "name each supported type and its sub-keys")
+    why = raw.get("why")
+    if not isinstance(why, str) or not why:
+        raise _fail(file, f"{where}.why", "a requirement says why")
+    return KeyRule(key, kind, reason=why, value=raw.get(kind), has_default=has_default,
+                   default=default)
+
+
+def _rope_rule(file: str, raw: Any) -> RopeRule:
+    raw = _expect(file, "rope", raw, dict)
+    for name in sorted(raw):
+        if name not in ("theta_default", "types"):
+            raise _fail(file, f"rope.{name}", "unknown key (theta_default, types)")
+    theta = raw.get("theta_default")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise _fail(file, "rope.theta_default", "a positive number (transformers' default theta)")
+    types_raw = _expect(file, "rope.types", raw.get("types"), dict)
+    if "default" not in types_raw:
+        raise _fail(file, "rope.types", "name the `default` type too (plain rope, no sub-keys)")
     types = []
     for name, subkeys in types_raw.items():
         if not isinstance(subkeys, list) or not all(isinstance(s, str) for s in subkeys):
-            raise _fail(file, f"{where}.types.{name}", "expected a list of sub-key names")
+            raise _fail(file, f"rope.types.{name}", "expected a list of sub-key names")
         types.append((name, tuple(subkeys)))
-    return KeyRule(key, kind, param=_expect(file, f"{where}.param", raw.get("param"), str),
-                   type_key=_expect(file, f"{where}.type_key", raw["type_key"], str),
-                   types=tuple(types))
+    return RopeRule(float(theta), tuple(types))
 
 
 def load_config_map(path: str | Path) -> ConfigMap:
@@ -234,7 +289,7 @@ def load_config_map(path: str | Path) -> ConfigMap:
     except tomllib.TOMLDecodeError as error:
         raise _fail(file, "", f"not valid TOML: {error}") from None
     allowed = {"schema", "arch", "description", "model_types", "follow", "outer", "layers",
-               "layer_kinds", "dims", "params", "keys"}
+               "layer_kinds", "dims", "params", "keys", "spellings", "rope"}
     for name in sorted(raw):
         if name not in allowed:
             raise _fail(file, name, "unknown key")
@@ -268,19 +323,32 @@ def load_config_map(path: str | Path) -> ConfigMap:
                    for k, v in sorted(_expect(file, "params", raw.get("params", {}), dict).items()))
     keys = tuple(_key_rule(file, k, v)
                  for k, v in _expect(file, "keys", raw.get("keys", {}), dict).items())
+    rope = _rope_rule(file, raw["rope"]) if "rope" in raw else None
     structural = {raw["layers"], "model_type", *(d.key for d in dims)}
     if layer_kinds_key:
         structural.add(layer_kinds_key)
+    if rope is not None:
+        structural.update(_ROPE_KEYS)
     for rule in keys:
         if rule.key in structural:
             raise _fail(file, f"keys.{rule.key}", "already read as the layer count, a layer kind "
-                                                  "source or a dim; classify a key once")
+                                                  "source, a dim or the rope; classify a key once")
+    classified = structural | {rule.key for rule in keys}
+    spellings = []
+    for other, canonical in _expect(file, "spellings", raw.get("spellings", {}), dict).items():
+        _expect(file, f"spellings.{other}", canonical, str)
+        if canonical not in classified or canonical in _ROPE_KEYS:
+            raise _fail(file, f"spellings.{other}", f"`{canonical}` is not a key the map reads")
+        if other in classified:
+            raise _fail(file, f"spellings.{other}", "is classified itself; a spelling names "
+                                                    "another key's setting")
+        spellings.append((other, canonical))
     follow = raw.get("follow")
     return ConfigMap(file, _expect(file, "arch", raw["arch"], str), raw.get("description", ""),
                      tuple(model_types), follow,
                      tuple(raw.get("outer", [])) if follow else (),
                      _expect(file, "layers", raw["layers"], str), layer_kind, layer_kinds_key,
-                     tuple(dims), params, keys)
+                     tuple(dims), params, keys, tuple(spellings), rope)
 
 
 @cache
@@ -308,80 +376,225 @@ def map_for(model_type: object, source: str, maps: tuple[ConfigMap, ...] | None 
 # --------------------------------------------------------------------------- reading configs
 
 
-def _int(source: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RequirementViolated(source, key, value, "a positive integer", "it is a size")
-    return value
+class _Reader:
+    """One config body read through one map. ``spelled`` maps the key the map classifies to the
+    key the config wrote, so every refusal names the user's spelling."""
 
+    def __init__(self, source: str, m: ConfigMap, body: Mapping[str, Any], prefix: str):
+        self.source, self.map, self.prefix = source, m, prefix
+        self.spelled: dict[str, str] = {}
+        values = dict(body)
+        for other, canonical in m.spellings:
+            if other not in values:
+                continue
+            value = values.pop(other)
+            if canonical in values and not _same(values[canonical], value):
+                raise ConflictingSpellings(source, prefix + other, value, prefix + canonical,
+                                           values[canonical])
+            if canonical not in values:
+                values[canonical] = value
+                self.spelled[canonical] = other
+        self.body = values
 
-def _derive(source: str, dim: DimSource, values: dict[str, int]) -> int:
-    expression = dim.otherwise or ""
-    if "/" in expression:
-        top, _, bottom = (part.strip() for part in expression.partition("/"))
-        if top not in values or bottom not in values:
-            raise MissingKey(source, dim.key, f"missing, and `{expression}` needs dims not read yet")
-        if values[top] % values[bottom]:
-            raise RequirementViolated(source, dim.key, None, f"{top} divisible by {bottom}",
-                                      f"`{dim.name}` is derived as {expression}")
-        return values[top] // values[bottom]
-    try:
-        return parse_dim(expression).evaluate(values)
-    except DimError as error:
-        raise MissingKey(source, dim.key, f"missing, and `{expression}` cannot be evaluated: "
-                                          f"{error.reason}") from None
+    def where(self, key: str) -> str:
+        head, dot, tail = key.partition(".")
+        return self.prefix + self.spelled.get(head, head) + dot + tail
 
+    def need(self, key: str) -> Any:
+        if key not in self.body:
+            raise MissingKey(self.source, self.where(key), "missing: the config map reads it")
+        return self.body[key]
 
-def _classify(source: str, m: ConfigMap, rule: KeyRule, present: bool, value: Any,
-              params: dict[str, str]) -> Format | None:
-    key = rule.key
-    if rule.kind == "ignore":
-        return None
-    if rule.kind == "weight_format":
-        if not present or value is None:
-            return None
-        if value not in _WEIGHT_DTYPES:
-            raise RequirementViolated(source, key, value, " or ".join(_WEIGHT_DTYPES),
-                                      "the weight formats fuel stores")
-        return parse_format(_WEIGHT_DTYPES[value])
-    if rule.kind == "require_null":
-        if present and value is not None:
-            raise RequirementViolated(source, key, value, "null (or no key)", rule.reason)
-        return None
-    if rule.kind == "type_key" and not present:
-        value, present = None, True  # an absent typed setting is the default one, like null
-    if not present:
-        if not rule.has_default:
-            raise MissingKey(source, key)
-        value = rule.default
-    if rule.kind == "param":
-        assert rule.param is not None
-        params[rule.param] = param_text(value)
-    elif rule.kind == "require":
-        if not _same(value, rule.value):
-            raise RequirementViolated(source, key, value, f"`{_show(rule.value)}`", rule.reason)
-    elif rule.kind == "type_key":
-        assert rule.param is not None and rule.type_key is not None
-        type_param, scaling_param = f"{rule.param}_type", f"{rule.param}_scaling"
-        if value is None:
-            params[type_param], params[scaling_param] = "default", ""
-            return None
-        if not isinstance(value, dict):
-            raise RequirementViolated(source, key, value, "a table or null", "it is a typed setting")
-        kind = value.get(rule.type_key)
+    def size(self, key: str, value: Any, limit: int = MAX_SIZE, what: str = "it is a size") -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RequirementViolated(self.source, self.where(key), value, "a positive integer", what)
+        if value > limit:
+            raise RequirementViolated(self.source, self.where(key), value,
+                                      f"at most {limit:,}", f"{what}, and larger is no real model")
+        return value
+
+    def positive(self, key: str, value: Any, what: str) -> float:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
+            raise RequirementViolated(self.source, self.where(key), value,
+                                      "a finite positive number", what)
+        return value
+
+    # -- dims ---------------------------------------------------------------------------------
+
+    def derive(self, dim: DimSource, values: dict[str, int], keys: dict[str, str]) -> int:
+        expression = dim.otherwise or ""
+        if "/" in expression:
+            top, _, bottom = (part.strip() for part in expression.partition("/"))
+            if top not in values or bottom not in values:
+                raise MissingKey(self.source, self.where(dim.key),
+                                 f"missing, and `{expression}` needs dims not read yet")
+            if values[top] % values[bottom]:
+                raise RequirementViolated(
+                    self.source, self.where(dim.key), None,
+                    f"`{keys[top]}` ({values[top]}) divisible by `{keys[bottom]}` ({values[bottom]})",
+                    f"without `{dim.key}`, {dim.name} is {keys[top]} / {keys[bottom]}")
+            return values[top] // values[bottom]
+        try:
+            return parse_dim(expression).evaluate(values)
+        except DimError as error:
+            raise MissingKey(self.source, self.where(dim.key),
+                             f"missing, and `{expression}` cannot be evaluated: {error.reason}") from None
+
+    def dims(self) -> dict[str, int]:
+        values: dict[str, int] = {}
+        keys: dict[str, str] = {}  # dim -> the config key it was read from (or derived as)
+        for dim in self.map.dims:
+            if dim.key in self.body and self.body[dim.key] is not None:
+                values[dim.name] = self.size(dim.key, self.body[dim.key])
+                keys[dim.name] = self.where(dim.key)
+            elif dim.otherwise is not None:
+                values[dim.name] = self.derive(dim, values, keys)
+                keys[dim.name] = self.where(dim.key)
+            else:
+                raise MissingKey(self.source, self.where(dim.key), "missing: the config map reads it")
+        self.check_dims(values, keys)
+        return values
+
+    def check_dims(self, values: dict[str, int], keys: dict[str, str]) -> None:
+        """What the circuits' dims mean: each kv head serves a whole group of query heads, and
+        a token picks at most every expert."""
+        if "kv_heads" in values and "q_heads" in values:
+            kv, q = values["kv_heads"], values["q_heads"]
+            if kv > q or q % kv:
+                raise RequirementViolated(
+                    self.source, keys["kv_heads"], kv,
+                    f"a divisor of `{keys['q_heads']}` ({q})",
+                    "grouped-query attention shares each kv head among a whole group of query "
+                    "heads" + (" (more kv heads than query heads)" if kv > q else ""))
+        if "top_k" in values and "experts" in values and values["top_k"] > values["experts"]:
+            raise RequirementViolated(
+                self.source, keys["top_k"], values["top_k"],
+                f"at most `{keys['experts']}` ({values['experts']})",
+                "each token is routed to top_k distinct experts")
+
+    # -- the rope -----------------------------------------------------------------------------
+
+    def rope(self, rule: RopeRule, params: dict[str, str]) -> None:
+        """Read the rope from either generation's keys (or both, which must agree):
+        transformers 4's ``rope_theta`` + ``rope_scaling`` (null = default rope) and
+        transformers 5's ``rope_parameters`` (theta, type and the type's sub-keys in one table)."""
+        source, body = self.source, self.body
+        scaling, parameters = body.get("rope_scaling"), body.get("rope_parameters")
+        for key, table in (("rope_scaling", scaling), ("rope_parameters", parameters)):
+            if table is not None and not isinstance(table, Mapping):
+                raise RequirementViolated(source, self.where(key), table, "a table or null",
+                                          "it holds the rope type and its settings")
+        theta_keys = [k for k, present in (("rope_theta", "rope_theta" in body),
+                                           ("rope_parameters.rope_theta",
+                                            parameters is not None and "rope_theta" in parameters))
+                      if present]
+        theta_values = [body["rope_theta"] if k == "rope_theta" else parameters["rope_theta"]
+                        for k in theta_keys]
+        if len(theta_keys) == 2 and not _same(*theta_values):
+            raise ConflictingSpellings(source, self.where(theta_keys[1]), theta_values[1],
+                                       self.where(theta_keys[0]), theta_values[0])
+        theta = rule.theta_default
+        if theta_keys:
+            theta = float(self.positive(theta_keys[-1], theta_values[-1],
+                                        "the rope base sets every rotation frequency"))
+        params["rope_theta"] = repr(theta)
+
+        # The typed part: rope_scaling's table, rope_parameters' table less its theta.
+        tables = []
+        if scaling is not None:
+            tables.append(("rope_scaling", dict(scaling)))
+        if parameters is not None:
+            tables.append(("rope_parameters",
+                           {k: v for k, v in parameters.items() if k != "rope_theta"}))
+        read = [(key, *self.rope_type(key, table, rule)) for key, table in tables]
+        if len(read) == 2:
+            (key_a, kind_a, subs_a), (key_b, kind_b, subs_b) = read
+            if kind_a != kind_b:
+                raise ConflictingSpellings(source, self.where(f"{key_b}.rope_type"), kind_b,
+                                           self.where(f"{key_a}.rope_type"), kind_a)
+            for sub in sorted(set(subs_a) | set(subs_b)):
+                if not _same(subs_a.get(sub), subs_b.get(sub)):
+                    raise ConflictingSpellings(source, self.where(f"{key_b}.{sub}"), subs_b.get(sub),
+                                               self.where(f"{key_a}.{sub}"), subs_a.get(sub))
+        kind, subs = (read[-1][1], read[-1][2]) if read else ("default", {})
+        params["rope_type"] = kind
+        params["rope_scaling"] = ",".join(f"{sub}={param_text(subs[sub])}" for sub in sorted(subs))
+
+    def rope_type(self, key: str, table: dict[str, Any],
+                  rule: RopeRule) -> tuple[str, dict[str, Any]]:
+        """A rope table's type (``rope_type``, or transformers' older ``type``; both must agree;
+        neither = default) and its sub-keys, each one the type needs."""
+        source = self.source
+        spelled = [k for k in ("rope_type", "type") if k in table]
+        if len(spelled) == 2 and not _same(table["rope_type"], table["type"]):
+            raise ConflictingSpellings(source, self.where(f"{key}.type"), table["type"],
+                                       self.where(f"{key}.rope_type"), table["rope_type"])
+        type_key = f"{key}.{spelled[0]}" if spelled else f"{key}.rope_type"
+        kind = table[spelled[0]] if spelled else "default"
         needed = dict(rule.types).get(kind) if isinstance(kind, str) else None
         if needed is None:
-            raise RequirementViolated(source, f"{key}.{rule.type_key}", kind,
+            raise RequirementViolated(source, self.where(type_key), kind,
                                       f"one of {', '.join(t for t, _ in rule.types)}",
-                                      "the circuit models only these")
-        for sub in sorted(value):
-            if sub != rule.type_key and sub not in needed:
-                raise UnclassifiedKey(source, f"{key}.{sub}", value[sub], m.file)
+                                      "the circuit models only these rope types")
+        subs = {k: v for k, v in table.items() if k not in ("rope_type", "type")}
+        for sub in sorted(subs):
+            if sub not in needed:
+                raise UnclassifiedKey(source, self.where(f"{key}.{sub}"), subs[sub], self.map.file)
         for sub in needed:
-            if sub not in value:
-                raise MissingKey(source, f"{key}.{sub}", f"missing; type `{kind}` needs it")
-        params[type_param] = kind
-        params[scaling_param] = ",".join(f"{sub}={param_text(value[sub])}" for sub in sorted(needed))
-    return None
+            if sub not in subs:
+                raise MissingKey(source, self.where(f"{key}.{sub}"), f"missing; type `{kind}` needs it")
+            self.positive(f"{key}.{sub}", subs[sub], f"a `{kind}` rope setting")
+        return kind, subs
+
+    # -- every other key ----------------------------------------------------------------------
+
+    def classify(self, rule: KeyRule, params: dict[str, str], layers: int) -> Format | None:
+        key, present, value = rule.key, rule.key in self.body, self.body.get(rule.key)
+        where = self.where(key)
+        if rule.kind == "ignore":
+            return None
+        if rule.kind == "weight_format":
+            if not present or value is None:
+                return None
+            if value not in _WEIGHT_DTYPES:
+                raise RequirementViolated(self.source, where, value, " or ".join(_WEIGHT_DTYPES),
+                                          "the weight formats fuel stores")
+            return parse_format(_WEIGHT_DTYPES[value])
+        if rule.kind == "require_null":
+            if present and value is not None:
+                raise RequirementViolated(self.source, where, value, "null (or no key)", rule.reason)
+            return None
+        if rule.kind == "require_each":
+            if not present or value is None:
+                return None
+            if not isinstance(value, list) or len(value) != layers:
+                raise RequirementViolated(self.source, where, value, f"a list of {layers} entries",
+                                          "one per layer")
+            for i, entry in enumerate(value):
+                if not _same(entry, rule.value):
+                    raise RequirementViolated(self.source, f"{where}[{i}]", entry,
+                                              f"`{_show(rule.value)}`", f"layer {i}: {rule.reason}")
+            return None
+        if not present:
+            if not rule.has_default:
+                raise MissingKey(self.source, where)
+            value = rule.default
+        if rule.kind == "param":
+            assert rule.param is not None
+            if rule.check == "positive":
+                self.positive(key, value, "it enters the model's arithmetic, where zero, a "
+                                          "negative, NaN or infinity gives no usable output")
+            elif rule.check == "size":
+                self.size(key, value, what="it is a length")
+            elif rule.check == "bool" and not isinstance(value, bool):
+                raise RequirementViolated(self.source, where, value, "true or false", "it is a switch")
+            params[rule.param] = param_text(value)
+        elif rule.kind == "require":
+            if not _same(value, rule.value):
+                raise RequirementViolated(self.source, where, value, f"`{_show(rule.value)}`",
+                                          rule.reason)
+        return None
 
 
 def shape_from_config(config: Mapping[str, Any], source: str | None = None,
@@ -404,61 +617,46 @@ def shape_from_config(config: Mapping[str, Any], source: str | None = None,
         prefix = f"{m.follow}."
         if not isinstance(body, Mapping):
             raise RequirementViolated(source, m.follow, body, "a table", "the map follows it")
+    reader = _Reader(source, m, body, prefix)
 
-    def need(key: str) -> Any:
-        if key not in body:
-            raise MissingKey(source, prefix + key, "missing: the config map reads it")
-        return body[key]
-
-    layers = _int(source, prefix + m.layers_key, need(m.layers_key))
+    layers = reader.size(m.layers_key, reader.need(m.layers_key), MAX_LAYERS, "it is the layer count")
     if m.layer_kinds_key is not None:
-        raw_kinds = need(m.layer_kinds_key)
+        raw_kinds = reader.need(m.layer_kinds_key)
         if not isinstance(raw_kinds, list) or len(raw_kinds) != layers:
-            raise RequirementViolated(source, prefix + m.layer_kinds_key, raw_kinds,
+            raise RequirementViolated(source, reader.where(m.layer_kinds_key), raw_kinds,
                                       f"a list of {layers} layer kinds", "one kind per layer")
         kinds = []
         for i, k in enumerate(raw_kinds):
             try:
                 kinds.append(LayerKind(k))
             except ValueError:
-                raise RequirementViolated(source, f"{prefix}{m.layer_kinds_key}[{i}]", k,
+                raise RequirementViolated(source, f"{reader.where(m.layer_kinds_key)}[{i}]", k,
                                           "a known layer kind", "the circuit's layouts") from None
         layer_kinds = tuple(kinds)
     else:
         assert m.layer_kind is not None
         layer_kinds = (m.layer_kind,) * layers
 
-    dims: dict[str, int] = {}
-    for dim in m.dims:
-        if dim.key in body and body[dim.key] is not None:
-            dims[dim.name] = _int(source, prefix + dim.key, body[dim.key])
-        elif dim.otherwise is not None:
-            dims[dim.name] = _derive(source, dim, dims)
-        else:
-            raise MissingKey(source, prefix + dim.key, "missing: the config map reads it")
-
+    dims = reader.dims()
     params: dict[str, str] = dict(m.params)
     weight_format: Format | None = None
     rules = {rule.key: rule for rule in m.keys}
     structural = {m.layers_key, "model_type", *(d.key for d in m.dims)}
     if m.layer_kinds_key:
         structural.add(m.layer_kinds_key)
-    for key in sorted(body):
+    if m.rope is not None:
+        structural.update(_ROPE_KEYS)
+    for key in sorted(reader.body, key=reader.where):
         if key not in structural and key not in rules:
-            raise UnclassifiedKey(source, prefix + key, body[key], m.file)
-    for key, rule in rules.items():
-        fmt = _classify(source, m, KeyRule(prefix + key, *_rest(rule)), key in body, body.get(key),
-                        params)
-        weight_format = fmt or weight_format
+            raise UnclassifiedKey(source, reader.where(key), reader.body[key], m.file)
+    if m.rope is not None:
+        reader.rope(m.rope, params)
+    for rule in rules.values():
+        weight_format = reader.classify(rule, params, layers) or weight_format
     if "head_dim" in dims:
         params["softmax_scale"] = repr(1.0 / math.sqrt(dims["head_dim"]))
     return ArchShape(m.arch, str(config["model_type"]), layers, layer_kinds, dims, params,
                      weight_format)
-
-
-def _rest(rule: KeyRule) -> tuple[Any, ...]:
-    return (rule.kind, rule.reason, rule.param, rule.value, rule.has_default, rule.default,
-            rule.type_key, rule.types)
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -468,8 +666,10 @@ def load_config(path: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise ConfigRefused(str(path), None, f"cannot read: {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # malformed JSON, bad UTF-8, an integer of 4,300+ digits
         raise ConfigRefused(str(path), None, f"not valid JSON: {error}") from None
+    except RecursionError:
+        raise ConfigRefused(str(path), None, "not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigRefused(str(path), None, "a config.json is a JSON object")
     return data
