@@ -127,7 +127,7 @@ def _kv_split(model: str, kv_heads: int, tp: int) -> int:
 def split_shape(shape: ArchShape, parallel: Parallel) -> ArchShape:
     """The shape one rank instantiates: every split dim divided (the same on every rank).
     Raises :class:`SplitRefused` for the first dim that does not divide."""
-    model, dims, tp = shape.model_type, dict(shape.dims), parallel.tp
+    model, dims, tp = f"{shape.model_type} config", dict(shape.dims), parallel.tp
     if shape.layers % parallel.pp:
         raise SplitRefused(model, "layers", shape.layers, "pp", parallel.pp)
 
