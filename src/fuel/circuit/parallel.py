@@ -403,9 +403,10 @@ def rank_circuits(full: Circuit, parallel: Parallel) -> tuple[Circuit, ...]:
 
 def collective_bytes(circuit: Circuit, index: int, rows: int) -> int:
     """Bytes one rank contributes to collective node ``index`` at ``rows`` step rows: its input
-    edge in the edge's format (for ``all_gather``, the rank's slice)."""
+    edge in the edge's format (for ``all_gather``, the rank's slice; for ``recv``, what it
+    receives)."""
     node = circuit.nodes[index]
-    edge = circuit.edges[node.inputs[0]]
+    edge = circuit.edges[node.inputs[0] if node.inputs else node.outputs[0]]
     return edge.format.bytes(edge.rows_at(rows, circuit.dims), edge.dim_value)
 
 
