@@ -346,9 +346,19 @@ def split_instantiate(template: Any, shape: ArchShape, parallel: Parallel, rank:
             node = split.nodes[n]
             inputs = tuple(rb.edge_map[e] for e in node.inputs)
             outputs = []
+            routes_all = node.op.kind is OpKind.ROUTER and parallel.ep > 1
             for e in node.outputs:
-                rb.edge_map[e] = rb.new_edge(split.edges[e])
+                edge = split.edges[e]
+                if routes_all:
+                    # Every rank routes each token over all experts; it runs only its own.
+                    rb.edge_map[e] = rb.new_edge(edge, dim_text=f"{edge.dim.text}*{parallel.ep}",
+                                                 dim_value=edge.dim_value * parallel.ep)
+                else:
+                    rb.edge_map[e] = rb.new_edge(edge)
                 outputs.append(rb.edge_map[e])
+            if routes_all:
+                node = replace(node, params=tuple(
+                    (k, str(shape.dims["experts"]) if k == "experts" else v) for k, v in node.params))
             rb.add(node, inputs, tuple(outputs))
             op = _collective_after(node, parallel)
             if op is not None and node.outputs:
