@@ -8,8 +8,8 @@ import pytest
 from fuel.circuit import zoo
 from fuel.circuit.parallel import Parallel, SplitRefused, rank_circuit
 
-PROMPT = [1, 4093, 314, 253]  # four ids: one prefill program (rows 4) and one decode program
-NEW_TOKENS = 3
+PROMPT = [1]  # one id: the whole run is decode steps (one program per rank)
+NEW_TOKENS = 4
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,8 @@ def shard_weights(weights: Any, circuit: Circuit) -> Any:
 
 def greedy_logits(engine: Any, prompt: Sequence[int], max_new_tokens: int):
     """Prefill ``prompt`` and decode greedily: ``(tokens, logits)`` with one f32 logits row
-    ``[vocab]`` per generated token (the row that chose it)."""
+    ``[vocab]`` per generated token (the row that chose it). A one-token prompt is fed as a
+    decode step (one program serves the whole run)."""
     import torch
 
     from fuel.circuit.rules import Mode
@@ -86,7 +87,8 @@ def greedy_logits(engine: Any, prompt: Sequence[int], max_new_tokens: int):
     sequence = "tp"
     engine.add_sequence(sequence)
     try:
-        result = prefill(engine, sequence, list(prompt))
+        result = (engine.step(Mode.DECODE, [(sequence, list(prompt))]) if len(prompt) == 1
+                  else prefill(engine, sequence, list(prompt)))
         rows, tokens = [result.logits[-1].float()], [result.tokens[-1]]
         while len(tokens) < max_new_tokens:
             result = engine.step(Mode.DECODE, [(sequence, [tokens[-1]])])
