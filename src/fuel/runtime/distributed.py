@@ -3,7 +3,8 @@
 Decides how ``fuel run --tp N`` executes: the parent checks the split (a model whose heads,
 columns or vocabulary do not divide is refused before any process starts), picks a free port
 on 127.0.0.1, and spawns N processes (``torch.multiprocessing``, start method ``spawn``). Each
-rank joins the process group (gloo on the CPU; NCCL is the CUDA backend's), builds its own
+rank joins the process group (gloo: fuel's executor runs on the CPU; an NCCL group belongs
+with a CUDA executor, which fuel does not have yet), builds its own
 rank circuit (:func:`fuel.circuit.parallel.rank_circuit`), binds its slice of every checkpoint
 tensor (:func:`shard_weights`), fuses, lowers and runs its own plans; the collective nodes of
 those plans are the only communication. Every rank computes the same greedy tokens (the logits
@@ -20,7 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -110,8 +110,8 @@ def _rank_main(rank: int, tp: int, port: int, folder: str, dtype: str, prompt: S
     from fuel.runtime.weights import load_weights
 
     torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("FUEL_TP_BACKEND") == "nccl" \
-        else "gloo"
+    # fuel's executor runs on the CPU, so the group is gloo; NCCL needs the CUDA executor.
+    backend = "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=tp)
     try:
