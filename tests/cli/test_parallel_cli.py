@@ -62,3 +62,12 @@ def test_parallel_plan_report_validates_prices_collectives_and_solves_the_fit(ca
     for row in par["fit"]["max_concurrency"]:
         t, c = row["context"], row["max_concurrency"]
         assert fixed + kv * t * c <= usable < fixed + kv * t * (c + 1)
+
+
+def test_a_device_with_no_known_link_reports_compute_and_says_why_collectives_are_unpriced(capsys):
+    par = report(capsys, "qwen2.5-3b", "--device", "rtx-4090", "--tp", "2")["parallel"]
+    assert "no interconnect between `rtx-4090` GPUs" in par["interconnect"]["intra_node"]["reason"]
+    step = next(s for s in par["steps"] if s["name"] == "decode C=1")
+    assert step["collective_ns"] is None and step["ns"] > 0
+    case = par["stages"][0]["cases"][0]
+    assert case["collective_reason"] and case["compute_ns"] == step["ns"]

@@ -33,6 +33,13 @@ def run_parallel(model: str | None, prompt: str, *, max_new_tokens: int, tp: int
     if batch != 1:
         raise InputError("--batch", "batch", "a tensor-parallel run (--tp) serves one sequence")
     source = None if model in (None, DEFAULT_MODEL_NAME) else model
+    if source is None:
+        # The default model's published config is in the zoo: refuse a bad split before the
+        # weights are converted or loaded.
+        from fuel.circuit import zoo
+        from fuel.circuit.parallel import Parallel, split_shape
+
+        split_shape(zoo.shape(zoo.DEFAULT_MODEL), Parallel(tp=tp))
     weights = load_weights(source, dtype=dtype)
     tokenizer = load_tokenizer(weights.source.folder)
     ids = tokenizer.encode(tokenizer.format_prompt(prompt) if chat else prompt)

@@ -155,7 +155,7 @@ def parallel_section(full: Circuit, parallel: Parallel, planner_for: Any, estima
     usable = int(rates.memory_bytes * utilization)
     stages = []
     step_ns: dict[str, float] = {}
-    coll_ns: dict[str, float] = {}
+    coll_ns: dict[str, float | None] = {}
     digests = []
     worst: RankMemory | None = None
     context = options.context
@@ -184,10 +184,13 @@ def parallel_section(full: Circuit, parallel: Parallel, planner_for: Any, estima
             if isinstance(links_ns, NoInterconnect):
                 cases.append({"name": name, "compute_ns": ceiling, "collective_ns": None,
                               "collective_reason": links_ns.reason})
+                step_ns[name] = step_ns.get(name, 0.0) + ceiling
+                coll_ns[name] = None  # unknown for the whole step, said once per case
                 continue
             ns, by_op = links_ns
             step_ns[name] = step_ns.get(name, 0.0) + ceiling + ns
-            coll_ns[name] = coll_ns.get(name, 0.0) + ns
+            if name not in coll_ns or coll_ns[name] is not None:
+                coll_ns[name] = (coll_ns.get(name) or 0.0) + ns
             cases.append({"name": name, "rows": rows, "compute_ns": ceiling, "collective_ns": ns,
                           "collective_share": ns / (ceiling + ns) if ceiling + ns else 0.0,
                           "collectives": by_op})
@@ -197,7 +200,8 @@ def parallel_section(full: Circuit, parallel: Parallel, planner_for: Any, estima
                        "workspace_bytes": memory.workspace, "cases": cases})
     assert worst is not None
     steps = [{"name": name, "ns": ns, "collective_ns": coll_ns[name],
-              "collective_share": coll_ns[name] / ns if ns else 0.0,
+              "collective_share": (None if coll_ns[name] is None
+                                   else coll_ns[name] / ns if ns else 0.0),
               "tokens_per_s": _rows(name, options) / ns * 1e9 if ns else None}
              for name, ns in step_ns.items()]
     return {
