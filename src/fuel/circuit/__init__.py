@@ -99,3 +99,8 @@ __all__ += [
     "plan_canonical_text", "plan_digest", "plan_to_json", "render_explanation", "render_plan",
     "resolve_runs", "rules_digest", "section_of",
 ]
+
+# Per-rank circuits (SPEC §I).
+from fuel.circuit.parallel import Parallel, ParallelError, SplitRefused, rank_circuit, rank_circuits
+
+__all__ += ["Parallel", "ParallelError", "SplitRefused", "rank_circuit", "rank_circuits"]

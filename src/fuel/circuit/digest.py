@@ -4,6 +4,7 @@ The canonical text is one labelled record per line in a fixed order:
 
     fuel-plan schema=1
     plan arch=<arch> mode=<mode> rows=<rows>
+    rank <placement> shards=[binding=dimD[a:b],...]            (per-rank circuits only)
     table <row table text>                                   (verify_batch only)
     group <i> kernels=[m::f,...] repeat=<r> [copies=<r>] emitter=<e> numerics=<n> nodes=[ids]
     run <i>.<j> run=<k>x<n>[!] launches=[m::f*<times>,...] [copies=<times>]   (per_run groups)
@@ -38,6 +39,11 @@ def plan_canonical_text(circuit: Circuit, plan: FusionPlan) -> str:
     differently."""
     lines = [f"fuel-plan schema={DIGEST_SCHEMA}",
              f"plan arch={plan.arch} mode={plan.mode.value} rows={plan.rows}"]
+    if circuit.rank is not None:
+        # A rank's plan runs on its own slice of the weights: two ranks of one split have the
+        # same groups and edges but never the same digest.
+        shards = ",".join(f"{name}={shard.text()}" for name, shard in circuit.rank.shards)
+        lines.append(f"rank {circuit.rank.text()} shards=[{shards}]")
     if plan.table is not None:
         lines.append(f"table {plan.table.text()}")
     nodes = circuit.nodes

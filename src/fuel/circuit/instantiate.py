@@ -219,15 +219,21 @@ def layer_kinds(template: CircuitTemplate, shape: ArchShape) -> tuple[LayerKind,
 
 
 def instantiate(template: CircuitTemplate, config: ArchShape | Mapping[str, Any], *,
-                draft: bool = True) -> Circuit:
+                draft: bool = True, parallel: Any = None, rank: int = 0) -> Circuit:
     """Instantiate ``template`` for ``config`` (an ArchShape, or a parsed ``config.json`` that
-    a built-in config map reads). ``draft=False`` leaves out the draft section."""
+    a built-in config map reads). ``draft=False`` leaves out the draft section.
+    ``parallel`` (a :class:`fuel.circuit.parallel.Parallel`) makes it rank ``rank``'s circuit
+    of that layout; a trivial layout (tp = pp = 1) changes nothing."""
     if isinstance(config, ArchShape):
         shape = config
     else:
         from fuel.circuit.config_map import shape_from_config
 
         shape = shape_from_config(config)
+    if parallel is not None and not parallel.trivial:
+        from fuel.circuit.parallel import split_instantiate
+
+        return split_instantiate(template, shape, parallel, rank, draft=draft)
     if shape.arch != template.arch:
         raise InstantiateError(template.file, "arch",
                                f"circuit `{template.arch}` cannot instantiate a `{shape.arch}` "

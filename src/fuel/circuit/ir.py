@@ -66,6 +66,16 @@ class OpKind(Enum):
     LM_HEAD = "lm_head"
     ARGMAX = "argmax"
     LOGIT_SOFTCAP = "logit_softcap"
+    # Collectives (SPEC §I): inserted by fuel.circuit.parallel into per-rank circuits, claimed by
+    # rules like any op. ``all_reduce`` / ``ep_reduce`` sum partial rows over the tensor- /
+    # expert-parallel ranks, ``all_gather`` / ``reduce_scatter`` join / split the last dim,
+    # ``send`` / ``recv`` move the residual stream between pipeline stages.
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    EP_REDUCE = "ep_reduce"
+    SEND = "send"
+    RECV = "recv"
 
 
 HEAVY_OPS: frozenset[OpKind] = frozenset({
@@ -74,6 +84,12 @@ HEAVY_OPS: frozenset[OpKind] = frozenset({
 })
 """Opaque ops: fusion never generates them, only fuses at their edges or names a pre-written
 kernel for them."""
+
+COLLECTIVE_OPS: frozenset[OpKind] = frozenset({
+    OpKind.ALL_REDUCE, OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.EP_REDUCE, OpKind.SEND,
+    OpKind.RECV,
+})
+"""Ops that move data between ranks (priced by interconnect, not by the chip's roofline)."""
 
 WEIGHT_OPS: frozenset[OpKind] = frozenset({
     OpKind.EMBED, OpKind.RMS_NORM, OpKind.LINEAR, OpKind.QK_NORM, OpKind.ROUTER,
@@ -186,8 +202,52 @@ class ArchShape:
 
 
 @dataclass(frozen=True, slots=True)
+class Shard:
+    """The part of a checkpoint tensor one rank holds: ``[start, end)`` along ``dim``."""
+
+    dim: int
+    start: int
+    end: int
+
+    def text(self) -> str:
+        return f"dim{self.dim}[{self.start}:{self.end}]"
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """Where a per-rank circuit sits in a parallel layout (``fuel.circuit.parallel``): the
+    world's ``tp`` x ``pp`` split, this rank's tensor- and pipeline-parallel index, ``ep``
+    (1, or ``tp`` when the experts are split over the tensor-parallel ranks), its layers, and
+    the slice of each checkpoint tensor it binds (bindings not named are whole)."""
+
+    tp: int
+    pp: int
+    ep: int
+    tp_rank: int
+    pp_rank: int
+    layers: tuple[int, int]
+    shards: tuple[tuple[str, Shard], ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp + self.tp_rank
+
+    def text(self) -> str:
+        return (f"rank={self.rank} tp={self.tp_rank}/{self.tp} pp={self.pp_rank}/{self.pp} "
+                f"ep={self.ep} layers={self.layers[0]}..{self.layers[1]}")
+
+    def shard_of(self, binding: str) -> Shard | None:
+        for name, shard in self.shards:
+            if name == binding:
+                return shard
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class Circuit:
-    """An instantiated circuit. ``dims`` holds every dim value (``n`` excluded)."""
+    """An instantiated circuit. ``dims`` holds every dim value (``n`` excluded). ``rank`` is
+    ``None`` for a whole model, else where this per-rank circuit sits (its dims are the rank's:
+    heads, columns, vocabulary and experts already divided)."""
 
     arch: str
     nodes: tuple[Node, ...]
@@ -195,9 +255,10 @@ class Circuit:
     blocks: tuple[BlockInstance, ...]
     dims: Mapping[str, int]
     shape: ArchShape | None = None
+    rank: RankPlacement | None = None
 
     def __hash__(self) -> int:
-        return hash((self.arch, self.nodes, self.edges, self.blocks))
+        return hash((self.arch, self.nodes, self.edges, self.blocks, self.rank))
 
     def section_of_node(self, n: int) -> Section:
         return self.blocks[self.nodes[n].block].section

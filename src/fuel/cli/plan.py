@@ -58,6 +58,13 @@ def plan_command(
     levers: Annotated[list[str], typer.Option("--lever", help="Opt in a `differs` lever (repeatable).")] = [],  # noqa: B006
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     html: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page.")] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks (per pipeline stage).")] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel stages.")] = 1,
+    ep: Annotated[bool, typer.Option("--ep", help="Split the experts over the tensor-parallel ranks.")] = False,
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Servers the ranks are spread over.")] = 1,
+    interconnect: Annotated[str | None, typer.Option("--interconnect", help="Link between a server's GPUs (default: the device's, see devices.toml).")] = None,
+    network: Annotated[str, typer.Option("--network", help="Link between servers (with --nodes > 1).")] = "infiniband-ndr",
+    utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="Share of each GPU's memory a rank may use (vLLM's default 0.9).")] = 0.9,
 ) -> None:
     """What MODEL does on a device: roofline, memory fit, fused plans, gaps, coverage."""
     from fuel.circuit.policy import build_policy, parse_assignments
@@ -83,7 +90,14 @@ def plan_command(
     options = ReportOptions(context=context, kv_format=kv_format_for(policy), tables=tables,
                             serve=tuple(modes))
     name = model if model is not None else str(config)
-    doc = build_report(name, circ, device_info(spec), choice, policy, options)
+    info = device_info(spec)
+    doc = build_report(name, circ, info, choice, policy, options)
+    if tp > 1 or pp > 1 or nodes > 1:
+        from fuel.cli.plan_parallel import parallel_doc
+
+        doc["parallel"] = parallel_doc(model, circ, spec, info, choice, policy, options, tp=tp,
+                                       pp=pp, ep=ep, nodes=nodes, interconnect=interconnect,
+                                       network=network, utilization=utilization)
 
     if html is not None:
         from fuel.report.html import render_html

@@ -43,6 +43,9 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="f32 or bf16.")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="Torch threads (default: every core).")]
 ContextOpt = Annotated[int, typer.Option("--max-context", min=16, help="Longest sequence (prompt + generated) the KV cache holds.")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Apply the model's chat template.")]
+TpOpt = Annotated[int, typer.Option(
+    "--tp", min=1, help="Tensor-parallel ranks: one process per rank on torch.distributed "
+                        "(gloo on 127.0.0.1); refused when the model's heads do not divide.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of text.")]
 JitOpt = Annotated[bool | None, typer.Option(
     "--jit/--no-jit", help="Synthesize numba kernels for the fused ops the CPU has no kernel for "
@@ -155,8 +158,16 @@ def print_jit(console: Console, result: dict[str, Any]) -> None:
 def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens: MaxNewOpt = 64,
                 speculate: SpeculateOpt = 0, drafter: DrafterOpt = "early-exit", batch: BatchOpt = 1,
                 dtype: DtypeOpt = "f32", threads: ThreadsOpt = None, max_context: ContextOpt = 2048,
-                chat: ChatOpt = True, as_json: JsonOpt = False, jit: JitOpt = None) -> None:
+                chat: ChatOpt = True, as_json: JsonOpt = False, jit: JitOpt = None,
+                tp: TpOpt = 1) -> None:
     """Generate text with a real model on the CPU and report what ran."""
+    if tp > 1:
+        from fuel.cli.run_parallel import run_parallel
+
+        run_parallel(model, (prompt or [DEMO_PROMPT])[0], max_new_tokens=max_new_tokens, tp=tp,
+                     dtype=dtype, max_context=max_context, chat=chat, as_json=as_json,
+                     speculate=speculate, batch=batch)
+        return
     run_model(model, prompt or [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=speculate,
               drafter=drafter, batch=batch, dtype=dtype, threads=threads, max_context=max_context,
               chat=chat, as_json=as_json, jit=jit)

@@ -165,7 +165,8 @@ def parse_devices(text: str, file: str) -> tuple[dict[str, DeviceSpec], list[str
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise DeviceSpecError(file, None, f"not valid TOML: {error}") from None
-    unknown = sorted(set(document) - {"schema", "device"})
+    # `interconnect` tables are read by fuel.cost.interconnect (links between ranks).
+    unknown = sorted(set(document) - {"schema", "device", "interconnect"})
     if unknown:
         raise DeviceSpecError(file, unknown[0], "unknown key")
     if document.get("schema") != SCHEMA:

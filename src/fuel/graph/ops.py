@@ -109,6 +109,11 @@ class OpKind(Enum):
     GATHER = "gather"
     # Effects.
     KV_CACHE_WRITE = "kv_cache_write"
+    # Collectives over the process group a distributed run set up (fuel.runtime.distributed):
+    # ``all_reduce`` sums the input over ``ranks`` processes, ``all_gather`` concatenates
+    # their inputs along ``dim``. Every rank runs the same graph, so every rank calls each one.
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
 
     @property
     def commutative(self) -> bool:
@@ -146,6 +151,7 @@ REQUIRED_ATTRS: dict[OpKind, tuple[str, ...]] = {
     OpKind.SELECT: ("dim", "index"), OpKind.CONCAT: ("dim",),
     OpKind.REPEAT_INTERLEAVE: ("repeats", "dim"), OpKind.IOTA: ("dim", "dtype"),
     OpKind.SIZE: ("dim", "dtype"), OpKind.INDEX_SELECT: ("dim",), OpKind.GATHER: ("dim",),
+    OpKind.ALL_REDUCE: ("ranks",), OpKind.ALL_GATHER: ("dim", "ranks"),
 }
 """Attributes each primitive must carry (by name); others are refused by :func:`infer`."""
 
@@ -365,4 +371,17 @@ def infer(kind: OpKind, attrs: dict[str, Any], shapes: Sequence[Shape],
             raise ShapeError(kind.value, f"cache {cache}, rows {rows}, slots {slots} do not fit "
                                          "[blocks, block_size, ...], [T, ...], [T]")
         return cache, dtype
+    if kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER):
+        ranks = attrs["ranks"]
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ShapeError(kind.value, f"ranks {ranks!r} must be a positive int")
+        if kind is OpKind.ALL_REDUCE:
+            return x, dtype
+        axis = _axis(kind, attrs["dim"], x.rank)
+        extent = x.dims[axis]
+        if not isinstance(extent, int):
+            raise ShapeError(kind.value, f"gather along a symbolic dim {extent!r}")
+        dims = list(x.dims)
+        dims[axis] = extent * ranks
+        return Shape(tuple(dims)), dtype
     raise AssertionError(f"no rule for {kind}")  # every OpKind has a branch above

@@ -132,7 +132,19 @@ def _prim_factories() -> dict[OpKind, KernelFactory]:
         OpKind.INDEX_SELECT: _index_select,
         OpKind.GATHER: lambda n: (lambda x, i, d=a(n)["dim"]: torch.gather(x, d, i)),
         OpKind.KV_CACHE_WRITE: _kv_cache_write,
+        OpKind.ALL_REDUCE: _collective,
+        OpKind.ALL_GATHER: _collective,
     }
+
+
+def _collective(node: Node):
+    """A collective over the default process group (:mod:`fuel.kernels.collectives`)."""
+    from fuel.kernels.collectives import all_gather_kernel, all_reduce_kernel
+
+    attrs = _attrs(node)
+    if node.op.kind is OpKind.ALL_REDUCE:
+        return all_reduce_kernel(attrs["ranks"])
+    return all_gather_kernel(attrs["ranks"], attrs["dim"])
 
 
 def _prim_signatures(kind: OpKind) -> Iterable[tuple[DType, ...]]:
@@ -178,6 +190,8 @@ def _prim_signatures(kind: OpKind) -> Iterable[tuple[DType, ...]]:
         return ((d, i, d) for d in ANY for i in INDEX)
     if kind is OpKind.KV_CACHE_WRITE:
         return ((d, d, i, d) for d in FLOAT_DTYPES for i in INDEX)
+    if kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER):
+        return ((d, d) for d in FLOAT_DTYPES)
     # Layout ops move data of any dtype.
     return ((d, d) for d in ANY)
 

@@ -78,9 +78,18 @@ def render_html(doc: Mapping[str, Any]) -> str:
         "<h2>Coverage matrix</h2>", _coverage_table(doc["coverage"]), _serve(doc["serve"]),
         "<h2>Gaps and JIT requests</h2>", _gaps_table(doc["gaps"]),
         "<h2>Fused plans</h2>", _plans(doc["plans"]),
+        _parallel(doc),
         f"<script>{_SCRIPT}</script></body></html>",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _parallel(doc: Mapping[str, Any]) -> str:
+    if "parallel" not in doc:
+        return ""
+    from fuel.report.parallel_render import render_parallel_html
+
+    return render_parallel_html(doc["parallel"], _table)
 
 
 # --- formatting helpers -------------------------------------------------------------------------

@@ -352,6 +352,11 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             return elementwise(2, node.inputs[:1])
         case OpKind.COPY | OpKind.CONCAT | OpKind.SPLIT:
             return NodeWork(0.0, 0.0, io_bytes(), 0.0, ComputeClass.VECTOR)
+        case (OpKind.ALL_REDUCE | OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.EP_REDUCE
+              | OpKind.SEND | OpKind.RECV):
+            # The chip's side of a collective: reading and writing its buffers. The time on the
+            # link is priced by fuel.cost.interconnect (fuel.report.parallel adds it per step).
+            return NodeWork(0.0, 0.0, io_bytes(), 0.0, ComputeClass.VECTOR)
     raise AssertionError(f"no cost model for op {kind}")  # the op set is closed
 
 

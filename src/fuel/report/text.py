@@ -48,6 +48,10 @@ def render_text(doc: Mapping[str, Any], console: Console) -> None:
     console.print(_plans(doc["plans"]))
     console.print(_gaps(doc["gaps"]))
     console.print(_coverage(doc["coverage"]))
+    if "parallel" in doc:
+        from fuel.report.parallel_render import render_parallel_text
+
+        console.print(render_parallel_text(doc["parallel"]))
     for mode, missing in doc["serve"].items():
         verdict = "[green]servable at every tier[/]" if not missing else \
             f"[bold red]no plan at {', '.join(missing)}[/]"

@@ -31,6 +31,8 @@ kv_write                   ``kv_cache_write(cache, rows, slots)`` for K and V (t
 paged_attention            per row-table run: ``Fused PAGED_ATTN(q [n, Hq, k, D], K, V,
                            block_table u32 [n, M], context_lens u32 [n])``
 argmax                     ``argmax(logits, dim=-1, keepdim=True)`` (i64)
+all_reduce, ep_reduce      ``all_reduce(x, ranks)`` (a rank circuit's partial sums)
+all_gather                 ``all_gather(x, dim, ranks)`` (the logits' vocabulary slices)
 rope_kv_write              rope, then kv_write
 silu_mul_linear            silu_mul, then linear
 final_norm_lm_head_argmax  final_norm, then lm_head, then argmax
@@ -288,7 +290,29 @@ def _members(low: _Lowerer, group: Group) -> list[CircuitNode]:
 def _embed(low: _Lowerer, group: Group, kernel: str) -> None:
     (node,) = _members(low, group)
     table = low.weight(node.bindings[0])
+    shard = low.circuit.rank.shard_of(node.bindings[0]) if low.circuit.rank is not None else None
+    if shard is not None:
+        low.write(node, 0, _vocab_parallel_lookup(low, table, shard.start, shard.end))
+        return
     low.write(node, 0, low.graph.prim(OpKind.INDEX_SELECT, table, low.input_tokens(), dim=0))
+
+
+def _vocab_parallel_lookup(low: _Lowerer, table: NodeId, start: int, end: int) -> NodeId:
+    """A rank's rows ``[start, end)`` of the embedding looked up (vLLM's
+    VocabParallelEmbedding): ids outside the slice give zero rows, so the all_reduce that
+    follows sums exactly one real row per token."""
+    from fuel.graph.ops import Predicate
+
+    g, rows = low.graph, low.rows
+    local = g.prim(OpKind.SUB, low.input_tokens(), g.const(start, (rows,), DType.I64))
+    zero = g.const(0, (rows,), DType.I64)
+    above = g.prim(OpKind.COMPARE, local, zero, predicate=Predicate.GE)
+    below = g.prim(OpKind.COMPARE, local, g.const(end - start, (rows,), DType.I64),
+                   predicate=Predicate.LT)
+    inside = g.prim(OpKind.WHERE, above, below, above)
+    looked = g.prim(OpKind.INDEX_SELECT, table, g.prim(OpKind.WHERE, inside, local, zero), dim=0)
+    keep = g.prim(OpKind.CAST, g.prim(OpKind.UNSQUEEZE, inside, dim=1), dtype=low.dtype)
+    return g.prim(OpKind.MUL, looked, keep)
 
 
 def _rms(low: _Lowerer, node: CircuitNode) -> None:
@@ -527,6 +551,29 @@ def _argmax(low: _Lowerer, group: Group, kernel: str) -> None:
     _argmax_node(low, _members(low, group)[0])
 
 
+def _reduce_node(low: _Lowerer, node: CircuitNode) -> None:
+    low.write(node, 0, low.graph.prim(OpKind.ALL_REDUCE, low.read(node, 0),
+                                      ranks=low.int_param(node, "ranks")))
+
+
+@_expect([CircuitOp.ALL_REDUCE])
+def _all_reduce(low: _Lowerer, group: Group, kernel: str) -> None:
+    _reduce_node(low, _members(low, group)[0])
+
+
+@_expect([CircuitOp.EP_REDUCE])
+def _ep_reduce(low: _Lowerer, group: Group, kernel: str) -> None:
+    _reduce_node(low, _members(low, group)[0])
+
+
+@_expect([CircuitOp.ALL_GATHER])
+def _all_gather(low: _Lowerer, group: Group, kernel: str) -> None:
+    (node,) = _members(low, group)
+    low.write(node, 0, low.graph.prim(OpKind.ALL_GATHER, low.read(node, 0),
+                                      dim=low.int_param(node, "dim"),
+                                      ranks=low.int_param(node, "ranks")))
+
+
 @_expect([CircuitOp.ROPE, CircuitOp.KV_WRITE])
 def _rope_kv_write(low: _Lowerer, group: Group, kernel: str) -> None:
     rope, write = _members(low, group)
@@ -567,6 +614,9 @@ CONSTRUCTIONS: Mapping[str, Construction] = {
     "rope_kv_write": _rope_kv_write,
     "silu_mul_linear": _silu_mul_linear,
     "final_norm_lm_head_argmax": _final_norm_lm_head_argmax,
+    "all_reduce": _all_reduce,
+    "ep_reduce": _ep_reduce,
+    "all_gather": _all_gather,
 }
 """``fuel.kernels.cpu::<func>`` → its graph construction (the table in the module docstring)."""
 
