@@ -69,6 +69,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     """Top alternatives to report per token (0: the chosen token's logprob only); None: none."""
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-sequence token (fixed-length load tests)."""
 
     def __post_init__(self) -> None:
         def check(param: str, value: float, ok: bool, detail: str) -> None:

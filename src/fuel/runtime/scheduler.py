@@ -370,7 +370,7 @@ class Scheduler:
         for token in tokens:
             kept.append(token)
             live.tokens.append(token)
-            if token in self.stop_token_ids or token in params.stop_token_ids:
+            if token in params.stop_token_ids or (token in self.stop_token_ids and not params.ignore_eos):
                 finish = Finish.STOP
             elif len(live.tokens) >= params.max_tokens:
                 finish = Finish.LENGTH

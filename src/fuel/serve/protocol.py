@@ -30,6 +30,9 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
+    """The fields both endpoints share; ``top_k``, ``min_p``, ``stop_token_ids`` and
+    ``ignore_eos`` are vLLM's extensions (sent by the openai client as ``extra_body``)."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -42,6 +45,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,7 +67,8 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, max_tokens=max_tokens, stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs)
+            stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
+            ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:
