@@ -77,6 +77,22 @@ def test_batched_greedy_outputs_equal_each_prompt_alone(model, alone):
     assert all_free(model.engine)
 
 
+def test_padded_decode_rows_are_powers_of_two_and_change_no_output(model, alone, monkeypatch):
+    real, rows = model.engine.step, []
+
+    def recording(mode, batch, **kw):
+        if mode is Mode.MULTI_SEQ:
+            rows.append(len(batch))
+        return real(mode, batch, **kw)
+
+    monkeypatch.setattr(model.engine, "step", recording)
+    scheduler = Scheduler(model.engine, model.tokenizer, max_batch=6, token_budget=16, pad_rows=True)
+    outs = run(scheduler, [(p, GREEDY) for p in alone])
+    assert [tokens_of(e) for e in outs] == list(alone.values())
+    assert rows and all(n & (n - 1) == 0 for n in rows) and 8 in rows
+    assert all_free(model.engine)
+
+
 def test_decode_rows_keep_advancing_while_a_long_prompt_is_prefilled_in_chunks(model):
     scheduler = Scheduler(model.engine, model.tokenizer, max_batch=4, token_budget=4, chunk=4)
     short, long = (3, 4), tuple(random.Random(1).randrange(3, 12) for _ in range(40))

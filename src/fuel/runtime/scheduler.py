@@ -15,7 +15,10 @@ A scheduler step, at a step boundary:
    head of the queue waits rather than being overtaken, so nothing starves;
 3. every running request past its prefill feeds one decode row: all of them together in one
    ``multi_seq`` step (``decode`` for a single row), or, with speculation, its pending token
-   and its drafts in one ``verify_batch`` step (``verify`` for a single sequence);
+   and its drafts in one ``verify_batch`` step (``verify`` for a single sequence); with
+   ``pad_rows`` a multi_seq step is rounded up to a power-of-two row count with scratch rows
+   (one token each, rolled back after the step), so ``log2(max_batch)`` programs per block
+   width serve every batch size instead of one per size;
 4. the rest of the step's token budget (at least one chunk) goes to prompt chunks of the
    requests still prefilling, in arrival order, each a power-of-two ``prefill`` chunk;
 5. each row's logits are sampled (:mod:`fuel.runtime.sampling`) and each request gets an
@@ -155,7 +158,8 @@ class Scheduler:
 
     def __init__(self, engine: Engine, tokenizer: Any, *, max_batch: int = 8, token_budget: int = 256,
                  chunk: int = DEFAULT_CHUNK, speculate: int = 0, drafter: Any = None,
-                 stop_token_ids: Sequence[int] = (), observer: Observer | None = None):
+                 stop_token_ids: Sequence[int] = (), observer: Observer | None = None,
+                 pad_rows: bool = False):
         if max_batch < 1 or token_budget < 1 or chunk < 1 or speculate < 0:
             raise ValueError(f"max_batch {max_batch}, token_budget {token_budget}, chunk {chunk} "
                              f"must be positive and speculate {speculate} not negative")
@@ -166,6 +170,7 @@ class Scheduler:
         self.speculate, self.drafter = speculate, drafter
         self.stop_token_ids = frozenset(stop_token_ids)
         self.observer = observer
+        self.pad_rows = pad_rows
         self.vocab = int(engine.weights.config.get("vocab_size") or tokenizer.vocab_size)
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._waiting: list[Request] = []
@@ -195,10 +200,11 @@ class Scheduler:
                 f"request needs {needed} ({prompt_tokens} in the prompt, max_tokens {max_tokens}"
                 + (f", {self.speculate} speculative" if self.speculate else "")
                 + "); shorten the prompt or lower max_tokens")
-        if self.blocks_for(needed) > self.engine.num_blocks:
+        usable = self.engine.num_blocks - self.pad_blocks()
+        if self.blocks_for(needed) > usable:
             raise RequestTooLarge(
                 f"the request needs {self.blocks_for(needed)} KV blocks, the cache has "
-                f"{self.engine.num_blocks}; shorten the prompt or lower max_tokens")
+                f"{usable}; shorten the prompt or lower max_tokens")
 
     def submit(self, request: Request) -> None:
         self.check(len(request.prompt), request.params.max_tokens)
@@ -290,7 +296,7 @@ class Scheduler:
             request = self._waiting[0]
             need = self.blocks_for(self.worst_case(len(request.prompt), request.params.max_tokens))
             held = sum(len(tables.blocks(s.name)) for s in self._running if s.name in tables)
-            outstanding = sum(s.reserved for s in self._running) - held
+            outstanding = sum(s.reserved for s in self._running) - held + self.pad_blocks()
             if need > tables.free_blocks - outstanding:
                 break
             self._waiting.pop(0)
@@ -328,11 +334,15 @@ class Scheduler:
         else:
             mode = Mode.VERIFY if len(rows) == 1 else Mode.VERIFY_BATCH
         starts = [self.engine.length(s.name) for s in decoding]
+        pads = self._pads(len(rows)) if mode is Mode.MULTI_SEQ else []
         try:
-            result = self.engine.step(mode, rows)
+            result = self.engine.step(mode, rows + [(pad, [0]) for pad in pads])
         except Exception as error:  # noqa: BLE001
             self._fail(decoding, error)
             return count
+        finally:
+            for pad in pads:
+                self.engine.free(pad)
         if mode in (Mode.DECODE, Mode.MULTI_SEQ):
             sampled = sample(result.logits, [s.state for s in decoding])
             for live, token, logprob in zip(decoding, sampled.tokens, sampled.logprobs):
@@ -350,6 +360,26 @@ class Scheduler:
             if live in self._running:
                 self.drafter.sync(self.engine, live.name, live.context)
         return count
+
+    def _pads(self, rows: int) -> list[Hashable]:
+        """Scratch sequences that round a multi_seq step up to a power-of-two row count (so a
+        handful of programs serve every batch size); each holds one token for the step only,
+        in a block the admission keeps free for it (freed right after). None when padding is off."""
+        if not self.pad_rows:
+            return []
+        wanted = (1 << (rows - 1).bit_length()) - rows
+        pads = []
+        for index in range(wanted):
+            name = ("pad", index)
+            self.engine.add_sequence(name)
+            pads.append(name)
+        return pads
+
+    def pad_blocks(self) -> int:
+        """Blocks admission keeps free for padding rows: the most pads a batch can need."""
+        if not self.pad_rows or self.max_batch < 3:
+            return 0
+        return max((1 << (rows - 1).bit_length()) - rows for rows in range(1, self.max_batch + 1))
 
     def _drafts(self, live: _Live) -> list[int]:
         room = min(self.speculate, live.request.params.max_tokens - len(live.tokens))

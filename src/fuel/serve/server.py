@@ -32,6 +32,7 @@ class ServeOptions:
     api_key: str | None = None
     model_name: str | None = None
     default_max_tokens: int = 256
+    pad_rows: bool = True
 
 
 def build_app(model: Any, options: ServeOptions):
@@ -43,7 +44,8 @@ def build_app(model: Any, options: ServeOptions):
     scheduler = Scheduler(model.engine, model.tokenizer, max_batch=options.max_batch,
                           token_budget=options.token_budget, speculate=options.speculate,
                           drafter=make_drafter(options.drafter) if options.speculate else None,
-                          stop_token_ids=[eos] if eos is not None else [], observer=metrics)
+                          stop_token_ids=[eos] if eos is not None else [], observer=metrics,
+                          pad_rows=options.pad_rows)
     config = ServeConfig(model_name=options.model_name or model.name, api_key=options.api_key,
                          default_max_tokens=options.default_max_tokens)
     return create_app(scheduler, model.tokenizer, metrics, config), scheduler, metrics
