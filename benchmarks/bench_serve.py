@@ -3,8 +3,9 @@ same thread count, in one run.
 
 For each concurrency level (1, 4, 16, 64 by default) N closed-loop clients stream greedy chat
 completions (``/v1/chat/completions``, ``max_tokens`` fixed) for a fixed time after a warm-up
-at the same level (fuel builds a program per (mode, rows, block width) the first time it sees
-one; the warm-up pays for those builds, the timed window measures serving). Printed per server
+at the same level, repeated (up to ``--warmup-rounds``) until a window builds no new program:
+fuel builds a program per (mode, rows, block width) the first time it sees one, and the timed
+window should measure serving, not compilation. Printed per server
 and level: finished requests, errors, output tokens/s (streamed content chunks, one token each
 on both servers, over the window), time to first token and inter-token latency p50/p99.
 Then fuel/llama.cpp throughput ratios (target: fuel above llama.cpp at 16 clients, which
@@ -158,6 +159,20 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> str:
     raise RuntimeError(f"server at {url} not ready after {timeout:.0f} s")
 
 
+def program_builds(url: str) -> float | None:
+    """fuel's ``fuel_program_builds`` metric (None for a server without it)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("fuel_program_builds "):
+            return float(line.split()[1])
+    return None
+
+
 def fuel_command(model: Path, port: int, args) -> list[str]:
     return [sys.executable, "-c", "import sys; from fuel.cli import main; sys.exit(main(sys.argv[1:]))",
             "serve", str(model), "--port", str(port), "--max-batch", str(max(args.clients)),
@@ -183,9 +198,16 @@ def bench_server(name: str, command: list[str], port: int, args, log: Path) -> l
         model = wait_ready(url, process, args.start_timeout)
         rows = []
         for clients in args.clients:
-            asyncio.run(drive(url, model, clients, args.warmup, args.max_tokens, record=False))
+            # Warm up until a window builds no new program (fuel), at most --warmup-rounds.
+            builds = program_builds(url)
+            for _ in range(args.warmup_rounds):
+                asyncio.run(drive(url, model, clients, args.warmup, args.max_tokens, record=False))
+                now = program_builds(url)
+                if now == builds:
+                    break
+                builds = now
             level = asyncio.run(drive(url, model, clients, args.seconds, args.max_tokens, record=True))
-            row = {"server": name, **level.row()}
+            row = {"server": name, **level.row(), "program_builds_total": program_builds(url)}
             rows.append(row)
             print(format_row(row), flush=True)
         return rows
@@ -223,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--warmup-rounds", type=int, default=4,
+                        help="warm-up windows per level at most (fuel: until one builds no program)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-context", type=int, default=256)
     parser.add_argument("--token-budget", type=int, default=256)

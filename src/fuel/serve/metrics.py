@@ -44,6 +44,8 @@ class Metrics:
         self.requests = Counter("fuel_requests", "Finished requests by finish reason", ["finish"], registry=r)
         self.ttft = Histogram("fuel_time_to_first_token_seconds", "Submission to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.builds = Gauge("fuel_program_builds", "Step programs built so far (lower + optimize); "
+                            "a new batch shape or block width builds one", registry=r)
         self.itl = Histogram("fuel_inter_token_latency_seconds", "Time between tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
 
@@ -55,6 +57,7 @@ class Metrics:
         self.blocks_free.set_function(lambda: snap().kv_blocks_total - snap().kv_blocks_used)
         self.blocks_total.set_function(lambda: snap().kv_blocks_total)
         self.rate.set_function(self._rate)
+        self.builds.set_function(lambda: sum(scheduler.engine.stats.builds.values()))
 
     # -- the scheduler's Observer ---------------------------------------------------------------
 
