@@ -199,7 +199,7 @@ def test_models_health_and_metrics_routes(server, client):
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("fuel_queue_length", "fuel_running_sequences", "fuel_kv_blocks_used", "fuel_kv_blocks_free",
                  "fuel_generation_tokens_per_second", "fuel_time_to_first_token_seconds_bucket",
-                 "fuel_inter_token_latency_seconds_bucket"):
+                 "fuel_inter_token_latency_seconds_bucket", "fuel_program_builds"):
         assert name in text
     assert metric(server, "fuel_generation_tokens_total") > 0
 
