@@ -32,6 +32,7 @@ from fuel.cli import judge as _judge  # noqa: E402,F401
 from fuel.cli import run as _run  # noqa: E402,F401
 from fuel.cli import explain as _explain  # noqa: E402,F401
 from fuel.cli import jit as _jit  # noqa: E402,F401
+from fuel.cli import serve as _serve  # noqa: E402,F401
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
