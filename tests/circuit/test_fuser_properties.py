@@ -32,7 +32,7 @@ def circuits(draw):
             else:
                 ins = ["input"]
             outs = [] if kind is OpKind.KV_WRITE else [f"e{count}"]
-            b.node(f"n{count}", kind, ins, outs, role=draw(st.sampled_from(["a", "b"])) if kind is OpKind.LINEAR else None)
+            b.node(f"n{count}", kind, ins, outs, role=draw(st.sampled_from(["q", "k"])) if kind is OpKind.LINEAR else None)
             produced.extend(outs)
             count += 1
     circuit = b.build()
@@ -53,7 +53,7 @@ def rule_sets(draw):
         pattern[0] = {k: v for k, v in pattern[0].items() if k != "sibling"}
         for p in pattern:
             if p["op"] == "linear" and draw(st.booleans()):
-                p["role"] = draw(st.sampled_from(["a", "b"]))
+                p["role"] = draw(st.sampled_from(["q", "k"]))
         fused.append(rule(f"r{i}", pattern, priority=draw(st.integers(-2, 3)),
                           rows=[1, draw(st.integers(1, 8))]))
     return fused + singles([k.value for k in OPS])
