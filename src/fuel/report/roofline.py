@@ -12,7 +12,7 @@ The model (stated, because every number in the report follows from it):
   prefill of P tokens is one sequence of P rows at context P; verify of k rows is one sequence of
   k rows.
 - ``linear`` / ``lm_head`` / ``router``: ``2 * rows * in * out`` FLOPs; the weight in its stored
-  format (``Format.bytes(out, in)``, scales included) plus the activations.
+  format (``Format.weight_bytes(out, in)``, scales included) plus the activations.
 - ``paged_attention``: row ``j`` of a sequence adding ``k`` rows at context ``c`` attends
   ``c - k + j + 1`` positions (causal); FLOPs ``4 * q_heads * head_dim * positions`` (QK^T and
   PV); each pass over a sequence reads its whole cache, ``c * kv_bytes_per_token_per_layer``.
@@ -301,7 +301,7 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
         case OpKind.LINEAR | OpKind.LM_HEAD | OpKind.ROUTER:
             fmt = _weight_format(circuit, node)
             k, n = in_dim(), out_dim()
-            weight = fmt.bytes(n, k) + _bias_bytes(node, n)
+            weight = fmt.weight_bytes(n, k) + _bias_bytes(node, n)
             return NodeWork(2.0 * rows * k * n, float(weight * passes), io_bytes(), 0.0,
                             input_compute())
         case OpKind.EXPERT_GATE_UP | OpKind.EXPERT_DOWN:
@@ -310,11 +310,11 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             k, n = _expert_shape(circuit, node, top_k)
             per_pass_tokens = max(1, math.ceil(rows / max(passes, 1)))
             touched = expected_distinct_experts(experts, top_k, per_pass_tokens) * passes
-            return NodeWork(2.0 * rows * top_k * k * n, touched * fmt.bytes(n, k), io_bytes(), 0.0,
+            return NodeWork(2.0 * rows * top_k * k * n, touched * fmt.weight_bytes(n, k), io_bytes(), 0.0,
                             input_compute())
         case OpKind.EMBED:
             fmt = _weight_format(circuit, node)
-            return NodeWork(0.0, float(fmt.bytes(rows, out_dim())), io_bytes(), 0.0,
+            return NodeWork(0.0, float(fmt.weight_bytes(rows, out_dim())), io_bytes(), 0.0,
                             ComputeClass.VECTOR)
         case OpKind.PAGED_ATTENTION:
             heads, head_dim = _dim(circuit, node, "q_heads"), _dim(circuit, node, "head_dim")
@@ -332,7 +332,7 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
         case OpKind.RMS_NORM | OpKind.FINAL_NORM | OpKind.QK_NORM:
             fmt = _weight_format(circuit, node)
             gain_width = _dim(circuit, node, "head_dim") if kind is OpKind.QK_NORM else out_dim()
-            gain = len(node.bindings) * fmt.bytes(1, gain_width)
+            gain = len(node.bindings) * fmt.weight_bytes(1, gain_width)
             return NodeWork(float(_NORM_FLOPS * elements(node.outputs)), float(gain * passes),
                             io_bytes(), 0.0, ComputeClass.VECTOR)
         case OpKind.SILU_MUL | OpKind.GELU_TANH_MUL:
