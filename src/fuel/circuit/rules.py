@@ -220,16 +220,6 @@ class RuleSet:
     def __len__(self) -> int:
         return len(self.rules)
 
-    def by_id(self, rule_id: str) -> Rule:
-        for rule in self.rules:
-            if rule.id == rule_id:
-                return rule
-        raise KeyError(rule_id)
-
-    def settings_read(self) -> tuple[str, ...]:
-        """Every policy setting some rule's ``when`` reads, sorted."""
-        return tuple(sorted({key for rule in self.rules for key, _ in rule.when}))
-
 
 class RuleError(InputError):
     """A rule file that does not load. ``rule`` is the rule id (``None`` for file-level errors)

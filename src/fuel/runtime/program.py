@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fuel.graph.branch import lower as lower_order
 from fuel.graph.dtype import BackendId, Device
-from fuel.graph.ir import Fused, Input, Prim
+from fuel.graph.ir import Fused, Input
 from fuel.graph.registry import RUNTIME_FUSED_BASE, fused_name
 from fuel.runtime.lower import (
     POSITIONS, SLOTS, TOKENS, DerivedKind, DerivedWeight, StepGraph, block_table_input,
@@ -250,16 +250,5 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
     return StepProgram(step, optimized, program, logits_root, tokens_root)
 
 
-def dispatch_census(program: StepProgram) -> dict[str, int]:
-    """Kernel calls per op name in a program's dispatch order (for reports and tests)."""
-    graph = program.step.graph
-    counts: dict[str, int] = {}
-    for node_id in program.program.executed:
-        op = graph.node(node_id).op
-        name = op.kind.value if isinstance(op, Prim) else str(op) if isinstance(op, Fused) else "?"
-        counts[name] = counts.get(name, 0) + 1
-    return dict(sorted(counts.items()))
-
-
 __all__ = ["BakeSummary", "ProgramOptions", "StepProgram", "WeightStore", "build_program",
-           "dispatch_census", "probe_feeds"]
+           "probe_feeds"]
