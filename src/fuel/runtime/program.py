@@ -10,7 +10,8 @@ With a JIT session (:class:`ProgramOptions`), between lowering and the bake: the
 kernels for the step's unrunnable fused nodes (requests from this very graph), ``offer_arms``
 branches each adopted kernel against its recipe, the session measures every arm node the Judge
 has no cell for on probe feeds of this step (:func:`probe_feeds`), and ``bake_offered`` bakes
-on the refreshed Judge. Adoption happens before the program is compiled, so the engine's
+on the refreshed Judge. The session's per-shape gate rides the options: a kernel adoption refused
+at this step's shapes (wrong there, or slower) is not offered here, and the offer says why. Adoption happens before the program is compiled, so the engine's
 per-digest program cache never holds a program built without it.
 
 Invariants:
@@ -219,7 +220,9 @@ def _optimize_with_jit(step: StepGraph, store: WeightStore, table: KernelBinding
     from fuel.optimize.optimize import bake_offered, offer_arms
 
     session.adopt_for(step.graph, step.roots)
-    options = replace(options, table=table, runtime=session.registry)
+    # The gate: an adopted kernel is offered only at shapes it was verified and gated at.
+    options = replace(options, table=table, runtime=session.registry,
+                      runtime_gate=session.gate())
     offered = offer_arms(step.graph, step.roots, options)
     branches = offered.branches()
     if branches:
