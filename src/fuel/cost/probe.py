@@ -32,7 +32,7 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
 
 The probe takes a few seconds on a quiet machine (each rate is a handful of timed calls).
 The result is cached as JSON under ``$FUEL_CACHE_DIR`` (default ``~/.cache/fuel``) in
-``devices/cpu-local-<hash>.json``, keyed by the device fingerprint and library versions, so a
+``devices/cpu-local-<hash>-v<format version>.json``, keyed by the device fingerprint and library versions, so a
 new CPU or a new torch probes afresh. ``reprobe=True`` measures again and overwrites. A cache
 file that cannot be read is reported (a warning naming the file) and replaced by a new probe.
 
@@ -66,7 +66,9 @@ def cache_path(threads: int | None = None) -> Path:
     """The cache file for this machine and libraries (and an explicit torch thread count)."""
     key = short_hash(device_fingerprint("cpu") + "|" + library_versions())
     suffix = "" if threads is None else f"-t{threads}"
-    return cache_dir() / "devices" / f"cpu-local-{key}{suffix}.json"
+    # The format version is in the name: processes running another fuel (another cache
+    # format) on the same machine keep their own files instead of replacing each other's.
+    return cache_dir() / "devices" / f"cpu-local-{key}-v{CACHE_VERSION}{suffix}.json"
 
 
 def _physical_memory_bytes() -> int:

@@ -14,9 +14,15 @@ on the refreshed Judge. The session's per-shape gate rides the options: a kernel
 at this step's shapes (wrong there, or slower) is not offered here, and the offer says why. Adoption happens before the program is compiled, so the engine's
 per-digest program cache never holds a program built without it.
 
+A graph that keeps live branches (placement arms: a heavy node that another device can run too)
+gets a route picker (:mod:`fuel.runtime.route_picker`): each :meth:`StepProgram.run` resolves
+the route from live signals (free memory, load) and runs the program compiled for that route
+(one per route taken, compiled the first time it is taken); ``last_route`` says which arms ran
+and why.
+
 Invariants:
 - A program is built once per (plan digest, step geometry) and reused; building never happens
-  inside a step.
+  inside a step (except a route's program, compiled the first time the picker takes it).
 - Derived weights (concatenated projections, RoPE tables) are built once per
   :class:`WeightStore` and shared by every program of an engine; checkpoint tensors are bound
   as they are (no copy).
@@ -112,6 +118,12 @@ class StepProgram:
     program: Any
     logits_root: int
     tokens_root: int
+    routing: Any = None
+    """For a graph that keeps live branches (placement arms): a :class:`_Routing` that resolves
+    them per step through the route picker with live signals; None when nothing is live."""
+    last_route: Any = None
+    """The :class:`~fuel.runtime.route_picker.Route` the latest :meth:`run` took (None: no
+    live branch)."""
 
     @property
     def digest(self) -> str:
@@ -134,7 +146,11 @@ class StepProgram:
                            len(self.optimized.jit_requests))
 
     def run(self, feeds: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.program.run(feeds)
+        program = self.program
+        if self.routing is not None:
+            self.last_route = self.routing.picker.route(self.routing.signals)
+            program = self.routing.program_for(self.last_route.arms)
+        out = program.run(feeds)
         return out[self.logits_root], out[self.tokens_root]
 
     def runtime_fused_executed(self) -> int:
@@ -169,10 +185,31 @@ class StepProgram:
 @dataclass(frozen=True)
 class ProgramOptions:
     """How :func:`build_program` optimizes: ``optimize`` as given, and with ``jit`` a session
-    that adopts kernels for the step and measures the offered arms before the bake."""
+    that adopts kernels for the step and measures the offered arms before the bake.
+    ``signals`` (a :class:`~fuel.runtime.route_picker.SignalProvider`; default: the system's)
+    and ``route_specs`` (a device spec per device, to price arms) feed the route picker of a
+    program whose graph keeps placement branches."""
 
     optimize: OptimizeOptions
     jit: JitSession | None = field(default=None, compare=False)
+    signals: Any = field(default=None, compare=False)
+    route_specs: Mapping[Any, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass
+class _Routing:
+    """The route picker of one program and a compiled program per route it has taken."""
+
+    picker: Any
+    signals: Any
+    compile: Any
+    programs: dict[tuple, Any] = field(default_factory=dict)
+
+    def program_for(self, arms: Mapping[int, int]) -> Any:
+        key = tuple(sorted(arms.items()))
+        if key not in self.programs:
+            self.programs[key] = self.compile(arms)
+        return self.programs[key]
 
 
 def probe_feeds(step: StepGraph, dtype: Any, seed: int = 0) -> dict[str, Any]:
@@ -238,8 +275,9 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
 
     for spec in step.derived:
         store.derive(spec)
-    session = None
+    session, routed = None, None
     if isinstance(options, ProgramOptions):
+        routed = options
         options, session = options.optimize, options.jit
     options = options or OptimizeOptions(table=table)
     if session is not None:
@@ -247,10 +285,38 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
     else:
         optimized = optimize_graph(step.graph, step.roots, options)
     logits_root, tokens_root = optimized.roots
-    lowered = lower_order(step.graph, optimized.roots, optimized.route)
     backend = options.device.backend if options.device else BackendId.CPU
-    program = compile_program(step.graph, lowered, table, backend, store, Device(backend))
-    return StepProgram(step, optimized, program, logits_root, tokens_root)
+
+    def compile_route(route: Mapping[int, int]):
+        lowered = lower_order(step.graph, optimized.roots, route)
+        return compile_program(step.graph, lowered, table, backend, store, Device(backend))
+
+    program = compile_route(optimized.route)
+    return StepProgram(step, optimized, program, logits_root, tokens_root,
+                       _routing(step, optimized, options, routed, compile_route))
+
+
+def _routing(step: StepGraph, optimized: OptimizedGraph, options: OptimizeOptions,
+             routed: ProgramOptions | None, compile_route) -> _Routing | None:
+    """The route picker for a graph that keeps live branches (placement arms), else None."""
+    live = optimized.live_branches()
+    if not live:
+        return None
+    from fuel.optimize.variant_bake import arm_location
+    from fuel.runtime.route_picker import PickerPricing, RoutePicker, SystemSignals
+
+    graph = step.graph
+    devices = [options.device]
+    for decision in live:
+        devices += [arm_location(graph, e) for e in graph.node(decision.branch).inputs]
+    specs = dict(routed.route_specs) if routed is not None else {}
+    if options.device_spec is not None:
+        specs.setdefault(options.device, options.device_spec)
+    pricing = PickerPricing(specs, options.table, options.judge, options.symbols)
+    picker = RoutePicker(optimized, graph, [d for d in devices if d is not None], pricing)
+    signals = routed.signals if routed is not None and routed.signals is not None \
+        else SystemSignals()
+    return _Routing(picker, signals, compile_route)
 
 
 __all__ = ["BakeSummary", "ProgramOptions", "StepProgram", "WeightStore", "build_program",
