@@ -201,22 +201,11 @@ def test_runtime_fused_arm_priced_by_composing_its_recipe():
 
 
 def _viewed_branch(backend: BackendId):
-    """Arm 0: exp -> reshape -> reshape -> neg (two views between two kernels); arm 1: a fused
-    softmax. Every node on ``backend``."""
-    graph = Graph()
-    x = graph.input("x", [4, 64], DType.F32)
-    e = graph.prim(OpKind.EXP, x)
-    flat = graph.prim(OpKind.RESHAPE, e, shape=(256,))
-    back = graph.prim(OpKind.RESHAPE, flat, shape=(4, 64))
-    n = graph.prim(OpKind.NEG, back)
-    fused = graph.fused(FusedOps.SOFTMAX_LAST_DIM, FusedOpParams.SoftmaxLastDim(), x)
-    merge = graph.prim(OpKind.ADD_SCALAR, n, value=1.0)
-    builder = open_branch(graph, x)
-    builder.add_arm(n)
-    builder.add_arm(fused)
-    branch = builder.finalize(merge)
-    for node in (e, flat, back, n, fused):
-        graph.target_backend[node] = backend
+    """softmax_branch_graph with two views between arm 0's kernels; returns the views too."""
+    from fuel.graph.branch import arm_interiors
+
+    graph, merge, branch, (e, n), fused = softmax_branch_graph(views=True, backend=backend)
+    flat, back = sorted(arm_interiors(graph, branch)[0] - {e, n})
     return graph, merge, branch, (e, n), (flat, back), fused
 
 
