@@ -58,3 +58,20 @@ def test_overlapping_live_ranges_never_share_bytes(layers, rows, fused):
         for y in b.slots[i + 1:]:
             if x.first <= y.last and y.first <= x.last and x.bytes and y.bytes:
                 assert x.offset + x.bytes <= y.offset or y.offset + y.bytes <= x.offset
+
+
+def test_a_plan_whose_edge_does_not_divide_into_its_scale_group_is_refused():
+    # Why: the planner sized such an edge by rounding its last group up; it has no size.
+    from dataclasses import replace
+
+    import pytest
+
+    from fuel.circuit.format import UnsizedFormat, parse
+
+    c, p = plan_for(rows=2)
+    edge = c.edge_index("l0.attn.q.out")  # hidden 64: not a multiple of 128
+    formats = list(p.edge_formats)
+    formats[edge] = parse("fp8/g128")
+    with pytest.raises(UnsizedFormat) as caught:
+        plan_buffers(c, replace(p, edge_formats=tuple(formats)))
+    assert caught.value.dim == 64 and caught.value.group == 128

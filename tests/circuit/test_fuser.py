@@ -148,17 +148,17 @@ def sibling_circuit():
     """Block `blk`: a -> x -> b (an outside node between siblings a and b)."""
     b = CircuitBuilder()
     b.block("blk")
-    b.node("a", OpKind.LINEAR, ["in"], ["a.out"], role="a")
+    b.node("a", OpKind.LINEAR, ["in"], ["a.out"], role="q")
     b.node("x", OpKind.SILU_MUL, ["a.out"], ["x.out"])
-    b.node("b", OpKind.LINEAR, ["x.out"], ["b.out"], role="b")
+    b.node("b", OpKind.LINEAR, ["x.out"], ["b.out"], role="k")
     b.output("b.out")
     return b.build()
 
 
 def test_a_sibling_chain_with_an_outside_node_between_members_is_refused():
     c = sibling_circuit()
-    pair = rule("pair", [{"op": "linear", "role": "a", "keep": True},
-                         {"op": "linear", "role": "b", "sibling": True}], priority=5)
+    pair = rule("pair", [{"op": "linear", "role": "q", "keep": True},
+                         {"op": "linear", "role": "k", "sibling": True}], priority=5)
     p = plan(c, pair, *singles())
     assert groups_by_rule(c, p) == [("single.linear", ["blk.a"]), ("single.silu_mul", ["blk.x"]),
                                     ("single.linear", ["blk.b"])]
@@ -308,18 +308,18 @@ def cycle_circuit():
     check but need each other first."""
     b = CircuitBuilder()
     b.block("blk")
-    b.node("a1", OpKind.LINEAR, ["in"], ["a1.out"], role="a1")
-    b.node("b1", OpKind.LINEAR, ["in"], ["b1.out"], role="b1")
-    b.node("a2", OpKind.LINEAR, ["b1.out"], ["a2.out"], role="a2")
-    b.node("b2", OpKind.LINEAR, ["a1.out"], ["b2.out"], role="b2")
+    b.node("a1", OpKind.LINEAR, ["in"], ["a1.out"], role="q")
+    b.node("b1", OpKind.LINEAR, ["in"], ["b1.out"], role="k")
+    b.node("a2", OpKind.LINEAR, ["b1.out"], ["a2.out"], role="v")
+    b.node("b2", OpKind.LINEAR, ["a1.out"], ["b2.out"], role="o")
     b.output("a2.out", "b2.out")
     return b.build()
 
 
 def test_groups_without_an_execution_order_are_a_cycle():
     c = cycle_circuit()
-    ga = rule("ga", [{"op": "linear", "role": "a1", "keep": True}, {"op": "linear", "role": "a2", "sibling": True}])
-    gb = rule("gb", [{"op": "linear", "role": "b1", "keep": True}, {"op": "linear", "role": "b2", "sibling": True}])
+    ga = rule("ga", [{"op": "linear", "role": "q", "keep": True}, {"op": "linear", "role": "v", "sibling": True}])
+    gb = rule("gb", [{"op": "linear", "role": "k", "keep": True}, {"op": "linear", "role": "o", "sibling": True}])
     with pytest.raises(Cycle) as caught:
         plan(c, ga, gb)
     assert caught.value.n == 2

@@ -106,6 +106,8 @@ def test_load_errors_name_file_rule_and_field(fields, field, fragment):
     ([{"op": "rms_norm", "roles": ["q"]}], "pattern[0].roles", "only a linear has a role"),
     ([{"op": "linear", "role": "q", "roles": ["k"]}], "pattern[0].roles", "not both"),
     ([{"op": "linear", "roles": []}], "pattern[0].roles", "non-empty list"),
+    ([{"op": "linear", "role": "up"}], "pattern[0].role", "unknown role 'up'"),
+    ([{"op": "linear", "roles": ["q", "gate"]}], "pattern[0].roles", "unknown role 'gate'"),
     ([{"op": "rms_norm", "format": "fp8/token"}], "pattern[0].format", "only an act_quant"),
     ([{"op": "act_quant", "format": "fp8/channel"}], "pattern[0].format", "weight layout"),
     ([{"op": "rms_norm", "writes": "fp8/block128x128"}], "pattern[0].writes", "weight layout"),
@@ -199,3 +201,37 @@ def test_builtin_rule_sets_load_and_every_rule_cites():
         rules = load_builtin_rules(name)
         assert len(rules) > 20
         assert all(r.cite.strip() for r in rules)
+
+
+def test_an_unknown_role_is_a_load_error_naming_file_rule_and_field():
+    # Why: `role = "up"` loaded and silently never matched (the circuits say `gate_up`).
+    error = load_error(rule("up_only", [{"op": "linear", "role": "up"}]))
+    assert (error.file, error.rule, error.field) == ("rules/test.toml", "up_only", "pattern[0].role")
+    assert str(error).startswith("rules/test.toml: key `rule[up_only].pattern[0].role`")
+
+
+def test_a_role_less_linear_element_is_the_catch_all_that_loads():
+    (loaded,) = parse_rules(rules_toml(rule("any", [{"op": "linear"}])), "rules/test.toml").rules
+    assert loaded.pattern[0].roles == frozenset()
+
+
+def test_every_role_the_built_in_circuits_and_rules_use_is_in_the_closed_list():
+    # Why: the closed list is the circuits' vocabulary; a circuit role missing from it would
+    # make every rule naming it a load error.
+    from importlib import resources
+
+    from fuel.circuit.ir import LINEAR_ROLES
+    import tomllib
+
+    from fuel.circuit.template import load_circuit
+
+    data = resources.files("fuel") / "data"
+    used = set()
+    for path in sorted((data / "circuits").iterdir()):
+        if path.name.endswith(".toml") and "arch" in tomllib.loads(path.read_text()):
+            template = load_circuit(str(path))  # libraries are merged in through `include`
+            used |= {n.op.role for b in template.blocks for n in b.nodes if n.op.role}
+    assert used and used <= LINEAR_ROLES
+    for name in ("cpu", "cuda"):
+        rules = load_rules(str(data / "rules" / f"{name}.toml"))
+        assert all(e.roles <= LINEAR_ROLES for r in rules for e in r.pattern)

@@ -62,3 +62,71 @@ def test_explain_jit_shows_the_adopted_branches_of_the_real_decode_step(capsys, 
     assert "branches 89, baked 0" in out
     assert out.count("fused:runtime#0x8000") == 30 and out.count("fused:runtime#0x8001") == 59
     assert "baked to arm 0 (unknown cost)" in out
+
+
+def _explain_json(capsys, *args):
+    import json
+
+    import jsonschema
+
+    from fuel.report import load_schema
+
+    assert main(["explain", "smollm2-135m", "--spec", "h100-sxm", "--no-judge", "--json",
+                 *args]) == 0
+    document = json.loads(capsys.readouterr().out)
+    jsonschema.validate(document, load_schema("explain"))
+    return document
+
+
+def test_explain_json_is_the_decision_record_and_validates(capsys):
+    document = _explain_json(capsys)
+    assert document["step"]["mode"] == "decode" and document["step"]["rows"] == 1
+    lowered = {row["op"]: row["count"] for row in document["lowered"]}
+    assert lowered == {"paged_attn": 30, "residual_add_rms_norm": 59}
+    assert document["graph"]["jit_requests"] == 89 and document["decisions"] == []
+
+
+@pytest.mark.parametrize(("args", "mode", "rows", "table"), [
+    (["--mode", "prefill", "--rows", "16"], "prefill", 16, None),
+    (["--mode", "verify_batch", "--table", "3x2"], "verify_batch", 6, "3x2"),
+])
+def test_explain_covers_prefill_and_verify_batch_steps(capsys, args, mode, rows, table):
+    # Why: the engine runs prefill chunks and batched verifies; their decisions were not
+    # explainable.
+    document = _explain_json(capsys, *args)
+    assert (document["step"]["mode"], document["step"]["rows"], document["step"]["table"]) == \
+        (mode, rows, table)
+    assert {row["op"] for row in document["lowered"]} == {"paged_attn", "residual_add_rms_norm"}
+
+
+def test_the_json_record_of_a_baked_branch_has_every_arm_and_validates():
+    import jsonschema
+
+    from fuel.graph import DType, FusedOpParams, FusedOps, Graph, OpKind
+    from fuel.kernels import cpu_table
+    from fuel.optimize import OptimizeOptions, optimize_graph
+    from fuel.optimize.render import explanation_document
+    from fuel.report import load_schema
+
+    from tests.optimize.builders import SPEC
+
+    graph = Graph()
+    q = graph.input("q", [1, 4, 1, 16], DType.F32)
+    k = graph.input("k", [1, 2, 64, 16], DType.F32)
+    v = graph.input("v", [1, 2, 64, 16], DType.F32)
+    out = graph.prim(OpKind.NEG, graph.fused(FusedOps.FLASH_ATTN, FusedOpParams.FlashAttn(0.25),
+                                             q, k, v))
+    optimized = optimize_graph(graph, [out], OptimizeOptions(device_spec=SPEC, table=cpu_table()))
+    step = {"model": "hand-built", "mode": "decode", "rows": 1, "table": None, "device": "cpu",
+            "spec": SPEC.name, "dtype": "f32", "context": 64, "judge_cells": 0, "jit": []}
+    document = explanation_document(optimized, graph, step)
+    jsonschema.validate(document, load_schema("explain"))
+    (decision,) = document["decisions"]
+    (recorded,) = optimized.decisions
+    assert decision["winner"] == recorded.winner and len(decision["arms"]) == 2
+    assert [a["cost_ns"] for a in decision["arms"]] == [a.cost_ns for a in recorded.arms]
+
+
+def test_verify_batch_needs_a_table_in_one_line(capsys):
+    assert main(["explain", "smollm2-135m", "--mode", "verify_batch", "--spec", "h100-sxm"]) == 2
+    assert "--table" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from fuel.cli.app import main
+from fuel.graph import BackendId
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,10 @@ def test_jit_json_lists_the_lowered_decode_steps_requests_answers_errors_and_spe
         assert record["max_abs_error"] < 2e-5
         assert record["kernel_ns"] > 0 and record["decomposed_ns"] > 0
         assert record["speedup"] == pytest.approx(record["decomposed_ns"] / record["kernel_ns"])
-        assert record["answer"].split(":")[0] in ("adopted", "rejected")
+        # The cost gate follows its own numbers: adopted exactly when the kernel was faster.
+        faster = record["kernel_ns"] < record["decomposed_ns"]
+        expected = "adopted" if faster else "rejected: slower than the decomposed region"
+        assert record["answer"].startswith(expected + ":"), record["answer"]
     assert "lowered decode step" in document["note"]
 
 
@@ -52,3 +56,27 @@ def test_jit_text_names_each_region_and_the_speed_line(capsys):
 def test_jit_refuses_an_unknown_device_in_one_line(capsys):
     assert main(["jit", "smollm2-135m", "--device", "tpu"]) == 2
     assert "`tpu` is not a device" in capsys.readouterr().err
+
+
+def test_a_failure_binding_the_cuda_table_surfaces_instead_of_reading_as_no_kernel(monkeypatch):
+    # Why: a catch-all turned any error here into an empty table, so every region read as
+    # "no CUDA kernel" and the bug was invisible.
+    import fuel.kernels
+
+    class Broken(RuntimeError):
+        pass
+
+    def broken(backend=None):
+        raise Broken("binding bug")
+
+    import fuel.cli.explain
+
+    # The CUDA rules' embedding has no CPU graph construction yet, so the step is the CPU's;
+    # the table binding under test is the CUDA one.
+    cpu_step = fuel.cli.explain.offline_step
+    monkeypatch.setattr(fuel.cli.explain, "offline_step",
+                        lambda model, mode, rows, context, dtype, backend:
+                        cpu_step(model, mode, rows, context, dtype, BackendId.CPU))
+    monkeypatch.setattr(fuel.kernels, "torch_table", broken)
+    with pytest.raises(Broken):
+        main(["jit", "smollm2-135m", "--device", "cuda", "--context", "32"])

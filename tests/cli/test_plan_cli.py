@@ -77,3 +77,37 @@ def test_unknown_names_are_one_line_listing_the_valid_ones(args, needle, capsys)
     err = capsys.readouterr().err
     assert needle in err
     assert "Traceback" not in err
+
+
+def test_dtype_plans_the_runs_weights_and_activations(capsys):
+    # Why: the zoo entry plans bf16 weights while `fuel run` computes in f32 by default; a plan
+    # of another dtype than the run's predicts another step. --dtype f32 doubles the weight
+    # bytes and every activation, and the KV cache, is f32.
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--json"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--dtype", "f32", "--json"]) == 0
+    f32 = json.loads(capsys.readouterr().out)
+    jsonschema.validate(f32, SCHEMA)
+    assert (bf16["model"]["weight_format"], f32["model"]["weight_format"]) == ("bf16", "f32")
+    assert f32["weight_floor"]["weight_bytes"] == 2 * bf16["weight_floor"]["weight_bytes"]
+    assert f32["memory_fit"]["kv_bytes_per_token"] == 2 * bf16["memory_fit"]["kv_bytes_per_token"]
+    # f32 matrix products run at the fp32 matrix peak, not the bf16 tensor peak.
+    prefill = {c["name"]: c for c in f32["roofline"]}["prefill 4k"]
+    bf16_prefill = {c["name"]: c for c in bf16["roofline"]}["prefill 4k"]
+    assert prefill["ceiling_ns"] > 2 * bf16_prefill["ceiling_ns"]
+
+
+def test_weights_sets_only_the_stored_weight_format(capsys):
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--weights", "fp8/channel",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"]["weight_format"] == "fp8/channel"
+    assert doc["memory_fit"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # activations stay bf16
+
+
+@pytest.mark.parametrize(("args", "needle"), [(["--dtype", "f8"], "--dtype"),
+                                              (["--weights", "fp9"], "--weights")])
+def test_a_bad_dtype_or_weight_format_is_one_line(args, needle, capsys):
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

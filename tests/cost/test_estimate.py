@@ -70,11 +70,14 @@ def test_paged_attention_at_capacity_and_at_occupancy():
     assert size_class_of(g, paged) == "attn:b1:h3:q0:k4:d4"  # 3 blocks x 4 slots = 12 keys
 
 
-def test_views_cost_a_dispatch_and_leaves_cost_nothing():
+def test_views_launch_nothing_cost_one_host_call_and_leaves_cost_nothing():
+    # Why: a view is metadata only (families.view): never a kernel launch.
     g = Graph()
     x = g.input("x", [4, 32], DType.F32)
-    t = g.prim(OpKind.TRANSPOSE, x, dim0=0, dim1=1)
-    assert estimate(g, t) == CostEstimate(flops=0, bytes=0, launches=1)
+    views = [g.prim(OpKind.TRANSPOSE, x, dim0=0, dim1=1), g.prim(OpKind.RESHAPE, x, shape=(128,)),
+             g.prim(OpKind.UNSQUEEZE, x, dim=0), g.prim(OpKind.PERMUTE, x, dims=(1, 0))]
+    for view in views:
+        assert estimate(g, view) == CostEstimate(flops=0, bytes=0, launches=0, host_calls=1)
     assert estimate(g, x) == CostEstimate(flops=0, bytes=0, launches=0)
 
 

@@ -30,13 +30,19 @@ def test_reprobe_measures_again_and_rewrites_the_cache(isolated_cache, monkeypat
     device("cpu-local")
     fake = {
         "fp32_flops": 1e9, "bf16_flops": 2e9, "fp16_flops": 3e9, "vector_flops": 4e9,
-        "bandwidth_bytes_per_s": 5e9, "launch_overhead_ns": 6, "memory_bytes": 7, "torch_threads": 1,
+        "fp32_gemv_flops": 1.5e9, "bf16_gemv_flops": 2.5e8, "fp16_gemv_flops": 3.5e8,
+        "bandwidth_bytes_per_s": 5e9, "copy_bytes_per_s": 2e9, "launch_overhead_ns": 6,
+        "memory_bytes": 7, "torch_threads": 1,
         "cache_bytes": 8, "cache_bandwidth_bytes_per_s": 9e9, "cache_note": "fake",
     }
     monkeypatch.setattr(probe, "measure_cpu_local", lambda: dict(fake))
     spec = device("cpu-local", reprobe=True)
     assert (spec.bandwidth_bytes_per_s, spec.launch_overhead_ns) == (5e9, 6)
     assert (spec.cache_bytes, spec.cache_bandwidth_bytes_per_s) == (8, 9e9)
+    assert spec.gemv_flops == {PeakClass.FP32: 1.5e9, PeakClass.BF16: 2.5e8, PeakClass.FP16: 3.5e8}
+    assert spec.host_call_ns == 6  # a view is one torch call: the per-call overhead
+    # A one-row product is priced at the matrix-vector rate, a GEMM at the dense peak.
+    assert spec.matrix_peak("bf16", rows=1) == 2.5e8 and spec.matrix_peak("bf16", rows=64) == 2e9
     assert json.loads(probe.cache_path().read_text())["numbers"] == fake
 
 
@@ -70,9 +76,34 @@ def test_cache_tier_declines_with_a_reason():
     assert "fewer than two" in probe.cache_tier(SWEEP[:1], 1e9)
 
 
-def test_the_probed_spec_has_a_cache_tier_faster_than_dram_or_says_why_not(isolated_cache):
+def test_the_cache_tier_the_sweep_finds_is_the_one_reported(monkeypatch):
+    # Why: the probe's answer must follow its sweep: a tier found is a tier reported (with its
+    # numbers and how they were measured), a tier refused is no tier with the reason.
+    import torch
+
+    monkeypatch.setattr(probe, "_l2_bytes_per_core", lambda: 64 * 1024)
+    monkeypatch.setattr(probe, "cache_tier", lambda samples, dram: (65536, 5e10))
+    size, rate, note = probe._measure_cache_tier(torch, 2, 1e9)
+    assert (size, rate) == (65536, 5e10) and note.startswith("L2 65536 B per core")
+    monkeypatch.setattr(probe, "cache_tier", lambda samples, dram: "in-cache copy is not faster")
+    size, rate, note = probe._measure_cache_tier(torch, 2, 1e9)
+    assert (size, rate) == (None, None) and note.startswith("no tier: in-cache copy")
+
+
+def test_without_an_l2_size_from_the_os_there_is_no_tier(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(probe, "_l2_bytes_per_core", lambda: None)
+    assert probe._measure_cache_tier(torch, 2, 1e9) == (
+        None, None, "no tier: the OS reports no L2 cache size")
+
+
+def test_the_probe_prices_what_the_cpu_kernels_do(isolated_cache):
+    # Why: the probe priced bf16 at a GEMM peak the decode step never runs and used a copy rate
+    # for a step that only reads. It now measures the linear kernel one row at a time, per
+    # dtype, and the read rate of that product.
     spec = device("cpu-local")
-    if spec.has_cache_tier():
-        assert spec.cache_bandwidth_bytes_per_s > spec.bandwidth_bytes_per_s and spec.cache_bytes > 0
-    else:
-        assert "no tier" in spec.sources["cache"]
+    assert set(spec.gemv_flops) == {PeakClass.FP32, PeakClass.BF16, PeakClass.FP16}
+    assert all(rate > 0 for rate in spec.gemv_flops.values())
+    assert "read" in spec.sources["bandwidth"] and "matrix-vector" in spec.sources["peak_tflops"]
+    assert spec.host_call_ns == spec.launch_overhead_ns > 0

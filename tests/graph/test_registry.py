@@ -194,3 +194,20 @@ def test_runtime_node_recipe_fills_its_slots_and_decomposes():
     assert region.operands[0].attr_dict() == {"value": 2.0}
     root = decompose(g, node, registry)
     assert g.node(root).op == Prim.of(OpKind.EXP)
+
+
+def test_decompose_lets_a_bug_propagate_instead_of_declining():
+    # Why: a blanket `except Exception` turned any bug in recipe lookup into "no recipe", so
+    # the node silently stayed fused (and read as "no kernel").
+    class Broken(RuntimeError):
+        pass
+
+    class BrokenRegistry:
+        def get(self, fused_id):
+            raise Broken("registry bug")
+
+    g = Graph()
+    x = g.input("x", [2, 8], F32)
+    node = g.push(Node(Fused(0x8123, RuntimeFusedParams()), (x,), Shape((2, 8)), F32))
+    with pytest.raises(Broken):
+        decompose(g, node, BrokenRegistry())

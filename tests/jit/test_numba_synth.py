@@ -180,6 +180,11 @@ def test_a_corrupt_compiled_cache_is_recompiled_not_trusted(tmp_path):
     for name in [n for n in sys.modules if n.endswith(stem)]:
         del sys.modules[name]
     second = synthesize_and_take(NumbaSynthesizer(tmp_path), request)
+    # The corrupt files were not used: the kernel was compiled afresh (not a cache hit) and
+    # the garbage is gone from the cache.
+    assert not second.from_cache
+    assert not [p for p in (tmp_path / "__pycache__").glob(f"{stem}.*.nb[ic]")
+                if p.read_bytes() in (b"garbage", b"not a numba index")]
     feeds = {"a": torch.randn(2, 8), "b": torch.randn(2, 8)}
     torch.testing.assert_close(second.run(*feeds.values()),
                                torch.nn.functional.silu(feeds["a"]) * feeds["b"])

@@ -36,21 +36,27 @@ def variant_graph(arms: int = 2, stamp: tuple[Device | None, ...] | None = None)
     return graph, merge, branch, exits
 
 
-def softmax_branch_graph():
-    """Arm 0: a two-node region (exp, neg); arm 1: a fused softmax. The arms are not numerically
-    equal — these graphs are priced, never run. Returns (graph, merge, branch, arm-0 nodes, fused)."""
+def softmax_branch_graph(*, views: bool = False, backend: BackendId = BackendId.CPU):
+    """Arm 0: a two-node region (exp, neg; with ``views``, two reshapes between them); arm 1: a
+    fused softmax; every node on ``backend``. The arms are not numerically equal — these graphs
+    are priced, never run. Returns (graph, merge, branch, arm-0 kernels, fused)."""
     graph = Graph()
     x = graph.input("x", [4, 64], DType.F32)
     e = graph.prim(OpKind.EXP, x)
-    n = graph.prim(OpKind.NEG, e)
+    last = e
+    if views:
+        last = graph.prim(OpKind.RESHAPE, graph.prim(OpKind.RESHAPE, e, shape=(256,)),
+                          shape=(4, 64))
+    n = graph.prim(OpKind.NEG, last)
     fused = graph.fused(FusedOps.SOFTMAX_LAST_DIM, FusedOpParams.SoftmaxLastDim(), x)
     merge = graph.prim(OpKind.ADD_SCALAR, n, value=1.0)
     builder = open_branch(graph, x)
     builder.add_arm(n)
     builder.add_arm(fused)
     branch = builder.finalize(merge)
-    for node in (e, n, fused):
-        graph.target_backend[node] = BackendId.CPU
+    for node in range(1, len(graph)):
+        if node not in (merge, branch):
+            graph.target_backend[node] = backend
     return graph, merge, branch, (e, n), fused
 
 

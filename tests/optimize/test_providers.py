@@ -198,3 +198,51 @@ def test_runtime_fused_arm_priced_by_composing_its_recipe():
     assert price.ns < region.ns  # one launch and one pass beat five launches
     assert bake(graph, [merge], lambda g, b, a: price_arm(g, b, a, pricing)).baked == 1
     assert graph.node(merge).inputs == (runtime,)
+
+
+def _viewed_branch(backend: BackendId):
+    """softmax_branch_graph with two views between arm 0's kernels; returns the views too."""
+    from fuel.graph.branch import arm_interiors
+
+    graph, merge, branch, (e, n), fused = softmax_branch_graph(views=True, backend=backend)
+    flat, back = sorted(arm_interiors(graph, branch)[0] - {e, n})
+    return graph, merge, branch, (e, n), (flat, back), fused
+
+
+def _judged(graph, cells):
+    backend = graph.target_backend[cells[0][0]].value
+    return judge_of({(graph.node(node).op.kind.value if hasattr(graph.node(node).op, "kind")
+                      else "softmax_last_dim", graph.node(node).dtype.value,
+                      size_class_of(graph, node), backend, f"torch.{backend}"): ns
+                     for node, ns in cells})
+
+
+def test_a_fused_arm_measured_slower_than_the_measured_cells_loses_on_a_gpu():
+    # Why: views were charged a 5 us launch each on a GPU, so a decomposed region with views
+    # looked slower than a fused kernel the Judge measured slower than its real cells.
+    from fuel.cost import device
+
+    h100 = device("h100-sxm")
+    graph, merge, branch, (e, n), (flat, back), fused = _viewed_branch(BackendId.CUDA)
+    judge = _judged(graph, [(e, 500), (n, 500), (fused, 1100)])
+    pricing = Pricing(h100, None, backend=BackendId.CUDA)
+    arm0 = price_arm(graph, branch, 0, pricing, judge)
+    assert isinstance(arm0, ArmPrice) and arm0.ns == 1000  # the views cost nothing on a GPU
+    outcome = bake(graph, [merge], lambda g, b, a: price_arm(g, b, a, pricing, judge))
+    assert outcome.baked == 0 and outcome.decisions[0].winner == 0
+    assert graph.node(merge).inputs == (n,)
+
+
+def test_a_hybrid_region_is_its_measured_cells_plus_layer1_views_at_their_host_cost():
+    # Why: on the CPU backend each view is one torch call: its cost is the per-call host
+    # overhead, as its own term, and the region's price is exactly measured + Layer 1.
+    from dataclasses import replace
+
+    host = replace(SPEC, host_call_ns=700)
+    graph, merge, branch, (e, n), (flat, back), fused = _viewed_branch(BackendId.CPU)
+    judge = _judged(graph, [(e, 500), (n, 500)])
+    price = price_arm(graph, branch, 0, Pricing(host, cpu_table()), judge)
+    assert isinstance(price, ArmPrice)
+    assert composite_ns(estimate(graph, flat), host) == 700  # no launch: the host call only
+    assert price.ns == 500 + 500 + 2 * 700
+    assert composite_ns(estimate(graph, flat), SPEC) == 0  # a spec with no host cost

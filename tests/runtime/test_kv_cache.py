@@ -118,10 +118,22 @@ class BlockTablesMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tokens=st.integers(0, 10))
     def append(self, data, tokens):
         sequence = data.draw(st.sampled_from(sorted(self.lengths)))
+        # The model's own account: what the append needs, and what is free.
+        size = self.tables.block_size
+        blocks_for = lambda length: -(-length // size)  # noqa: E731
+        free = self.tables.num_blocks - sum(blocks_for(n) for n in self.lengths.values())
+        new_length = self.lengths[sequence] + tokens
+        needed = blocks_for(new_length) - blocks_for(self.lengths[sequence])
+        too_long = new_length > self.tables.num_blocks * size
         try:
             slots = self.tables.append(sequence, tokens)
-        except (OutOfKvBlocks, SequenceTooLong):
+        except SequenceTooLong:
+            assert too_long, "refused as too long, yet it fits the cache"
             return
+        except OutOfKvBlocks:
+            assert not too_long and needed > free, f"refused with {free} free blocks for {needed}"
+            return
+        assert not too_long and needed <= free, "an append the cache cannot hold succeeded"
         assert len(slots) == tokens
         self.lengths[sequence] += tokens
 

@@ -82,3 +82,17 @@ def test_batched_speculation_verifies_with_verify_batch_and_equals_plain(engine,
     assert [o.tokens for o in outs] == plain[:3]
     assert engine.stats.steps["verify_batch"] > before
     assert engine.tables[Section.MAIN].sequences() == []
+
+
+@pytest.mark.slow
+def test_prompt_lookup_accepts_drafts_on_a_repetitive_prompt(engine, smollm2_tokenizer):
+    # Why: "0 <= accepted" passes a drafter that never helps. On a prompt that repeats one
+    # sentence, greedy decoding continues the repetition, so the n-gram drafter's copies of
+    # what followed must be accepted.
+    prompt = smollm2_tokenizer.encode("one two three four five six seven eight. " * 6)
+    plain_tokens = generate(engine, prompt, 16).tokens
+    out = speculative_generate(engine, prompt, 16, 4, drafter=PromptLookupDrafter())
+    assert out.tokens == plain_tokens
+    assert out.speculation.proposed > 0
+    assert out.speculation.accepted > 0
+    assert out.speculation.rounds < len(plain_tokens) - 1

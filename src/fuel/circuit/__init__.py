@@ -5,7 +5,8 @@ file system, the environment or a clock.
 """
 
 from fuel.circuit.dims import DimError, DimExpr, parse_dim, parse_shape
-from fuel.circuit.format import Format, FormatError, FormatKind, Scale, ScaleKind, parse as parse_format
+from fuel.circuit.format import (Format, FormatError, FormatKind, Scale, ScaleKind, UnsizedFormat,
+                                 parse as parse_format)
 from fuel.circuit.ir import (
     HEAVY_OPS,
     WEIGHT_OPS,
@@ -23,6 +24,7 @@ from fuel.circuit.ir import (
 __all__ = [
     "HEAVY_OPS", "WEIGHT_OPS", "ArchShape", "BlockInstance", "Circuit", "DimError", "DimExpr",
     "Edge", "Format", "FormatError", "FormatKind", "LayerKind", "Node", "Op", "OpKind", "Scale",
+    "UnsizedFormat",
     "ScaleKind", "Section", "parse_dim", "parse_format", "parse_shape",
 ]
 

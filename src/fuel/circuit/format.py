@@ -6,9 +6,16 @@ edge (``channel`` and ``block`` scales are weight layouts only), and how many by
 
 Invariants:
 - Every format has exactly one spelling; ``parse`` refuses any other (``FP8/Token``, ``g0``, ...).
-- ``bytes(rows, dim)`` is exact: packed 4-bit data rounds up to whole bytes per row, and each
-  scale is counted at its stored width (f32 for fp8 scales and the nvfp4 global scale, one byte
-  for the fp8 E4M3 block scales of nvfp4 and the E8M0 scales of mxfp4).
+- ``bytes(rows, dim)`` (an activation edge) and ``weight_bytes(rows, dim)`` (a stored weight)
+  are exact: packed 4-bit data rounds up to whole bytes per row, and each scale is counted at
+  its stored width (f32 for fp8 scales and the nvfp4 global scale, one byte for the fp8 E4M3
+  block scales of nvfp4 and the E8M0 scales of mxfp4).
+- nvfp4's f32 global scale is per row on an activation (each token row is quantized on its own,
+  so a step's rows never share a scale) and per tensor on a weight.
+- A group scale ``g<n>`` tiles a row exactly: a ``dim`` that is not a multiple of ``n`` has no
+  size (:class:`UnsizedFormat`, naming format, dim and group), never a silently rounded-up one.
+  2-D ``block<r>x<c>`` weight tiles keep partial edge tiles (counted by ceiling), as blockwise
+  fp8 checkpoints store them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,16 @@ from fuel.errors import FuelError
 
 class FormatError(FuelError):
     """A format name that is not one of the spellings of §A1."""
+
+
+class UnsizedFormat(FormatError):
+    """A tensor whose row does not divide into its format's scale groups: it has no size."""
+
+    def __init__(self, fmt: str, dim: int, group: int):
+        self.format, self.dim, self.group = fmt, dim, group
+        super().__init__(f"format `{fmt}` scales groups of {group} elements along a row; a row "
+                         f"of {dim} is not a multiple of {group}, so the tensor has no size in "
+                         f"this format (choose a group that divides {dim})")
 
 
 class FormatKind(Enum):
@@ -91,17 +108,29 @@ class Format:
         return self.scale is None or self.scale.kind not in (ScaleKind.CHANNEL, ScaleKind.BLOCK)
 
     def bytes(self, rows: int, dim: int) -> int:
-        """Bytes of a ``rows x dim`` tensor in this format, scales included."""
+        """Bytes of a ``rows x dim`` activation (an edge) in this format, scales included; an
+        nvfp4 activation carries one f32 global scale per row."""
+        return self._bytes(rows, dim, global_scales=rows)
+
+    def weight_bytes(self, rows: int, dim: int) -> int:
+        """Bytes of a ``rows x dim`` stored weight in this format, scales included; an nvfp4
+        weight carries one f32 global scale for the whole tensor."""
+        return self._bytes(rows, dim, global_scales=1)
+
+    def _bytes(self, rows: int, dim: int, *, global_scales: int) -> int:
         if rows < 0 or dim < 0:
             raise ValueError(f"negative shape {rows}x{dim}")
         if self.kind in _PLAIN_BYTES:
             return _PLAIN_BYTES[self.kind] * rows * dim
+        assert self.scale is not None
+        if self.scale.kind is ScaleKind.GROUP and dim % self.scale.group:
+            raise UnsizedFormat(self.name(), dim, self.scale.group)
         if self.kind is FormatKind.FP8:
             return rows * dim + 4 * _scale_count(self.scale, rows, dim)
         # 4-bit formats: two elements per byte, each row padded to a whole byte.
         data = rows * ((dim + 1) // 2)
         scales = _scale_count(self.scale, rows, dim)  # one byte each (E4M3 or E8M0)
-        global_scale = 4 if self.kind is FormatKind.NVFP4 else 0
+        global_scale = 4 * global_scales if self.kind is FormatKind.NVFP4 else 0
         return data + scales + global_scale
 
 
@@ -119,7 +148,7 @@ def _scale_count(scale: Scale | None, rows: int, dim: int) -> int:
         case ScaleKind.CHANNEL:
             return dim
         case ScaleKind.GROUP:
-            return rows * _ceil_div(dim, scale.group)
+            return rows * (dim // scale.group)  # exact: the caller checked the division
         case ScaleKind.BLOCK:
             return _ceil_div(rows, scale.block_rows) * _ceil_div(dim, scale.block_cols)
     raise AssertionError(scale)

@@ -99,9 +99,6 @@ class _Builder:
     edge_ids: set[str] = field(default_factory=set)
     stream: int | None = None
 
-    def fail_key(self, block: BlockTemplate, key: str) -> tuple[str, str]:
-        return block.file, key
-
     def resolve(self, slot: str, key: str) -> BlockTemplate:
         variant = self.template.variant(slot)
         if variant is None:

@@ -97,6 +97,13 @@ WEIGHT_OPS: frozenset[OpKind] = frozenset({
 })
 """Ops that read weights and therefore need a ``binding``."""
 
+LINEAR_ROLES: frozenset[str] = frozenset({
+    "q", "k", "v", "o", "gate_up", "down", "shared_gate", "shared_gate_up", "shared_down",
+})
+"""The closed set of ``linear`` roles: the roles the built-in circuits give their projections. A
+rule element naming another role could never match a node, so the rule loader refuses it (a
+circuit that needs a new role adds it here)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Op:

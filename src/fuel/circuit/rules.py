@@ -12,13 +12,18 @@ the rule id and the field):
   ``sibling``.
 - ``bit_identical`` names a ``microtest`` and no ``lever``; ``differs`` names a ``lever`` and no
   ``microtest``; ``reference`` names neither.
-- ``role`` / ``roles`` appear only on ``linear`` elements and never together; ``format`` only on
+- ``role`` / ``roles`` appear only on ``linear`` elements and never together, and name roles of
+  the closed set :data:`~fuel.circuit.ir.LINEAR_ROLES` (an unknown role would silently never
+  match, so it is a load error); ``format`` only on
   ``act_quant``; ``input`` and ``writes`` are edge-legal formats.
 - ``repeat = "per_run"`` if and only if the rule has ``[[rule.run]]`` selectors, and such a rule
   serves only ``verify_batch`` (a row table exists only there).
 
 A ``linear`` element without ``role``/``roles`` matches every linear, and an ``act_quant``
-element without ``format`` every act_quant: the single-op defaults that make a rule set total.
+element without ``format`` every act_quant: the role-less catch-all form the built-in rule sets
+use for their single-op defaults (``cpu.toml``'s and ``cuda.toml``'s "any role" linear rules),
+which make a rule set total. A rule that means "every linear" omits the role; it never spells
+one.
 
 Loading (``load_rules``, ``parse_rules``) is the edge; everything else here is plain values.
 """
@@ -36,7 +41,7 @@ from typing import Any
 
 from fuel.circuit.format import Format, FormatError
 from fuel.circuit.format import parse as parse_format
-from fuel.circuit.ir import LayerKind, OpKind
+from fuel.circuit.ir import LINEAR_ROLES, LayerKind, OpKind
 from fuel.circuit.runs import KernelId, RunLaunch, RunSelect, Times
 from fuel.errors import InputError
 
@@ -214,16 +219,6 @@ class RuleSet:
 
     def __len__(self) -> int:
         return len(self.rules)
-
-    def by_id(self, rule_id: str) -> Rule:
-        for rule in self.rules:
-            if rule.id == rule_id:
-                return rule
-        raise KeyError(rule_id)
-
-    def settings_read(self) -> tuple[str, ...]:
-        """Every policy setting some rule's ``when`` reads, sorted."""
-        return tuple(sorted({key for rule in self.rules for key, _ in rule.when}))
 
 
 class RuleError(InputError):
@@ -500,6 +495,9 @@ class _RuleReader:
             for role in values:
                 if not isinstance(role, str) or not _NAME.match(role):
                     raise self.fail(f"{key}.{role_key}", f"malformed role {role!r}")
+                if role not in LINEAR_ROLES:
+                    raise self.fail(f"{key}.{role_key}", f"unknown role {role!r} (one of "
+                                    f"{', '.join(sorted(LINEAR_ROLES))}): it would never match")
                 roles.add(role)
         fmt = None
         if "format" in table:

@@ -7,11 +7,15 @@ the device with the kernel table bound there, the device spec's roofline and (un
 recipe and why, which arms were offered or declined, and per branch the arms, their costs and
 sources, the winner and the reason. With ``--jit`` (CPU), numba kernels are first adopted for
 the step's requests, so the branches a ``fuel run --jit`` bakes are shown; their arms are priced
-from the Judge store (an arm no run has measured is "unknown cost" and keeps arm 0).
+from the Judge store (an arm no run has measured is "unknown cost" and keeps arm 0). Every mode
+the engine runs is explained: decode, draft, multi_seq, verify, prefill (one sequence, a chunk
+of ``--rows``) and verify_batch (its ``--table``). ``--json`` prints the same record as one
+JSON document (``fuel/report/explain.schema.json``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
@@ -23,13 +27,16 @@ JIT_BUDGET_MS = 2000
 """The compile budget the shown JIT requests carry (what ``fuel run`` would allow per kernel)."""
 
 _RUNS = {"decode": lambda rows: ((1, 1),), "draft": lambda rows: ((1, 1),),
-         "multi_seq": lambda rows: ((1, rows),), "verify": lambda rows: ((rows, 1),)}
+         "multi_seq": lambda rows: ((1, rows),), "verify": lambda rows: ((rows, 1),),
+         "prefill": lambda rows: ((rows, 1),)}
 
 
-def offline_step(model: str, plan_mode, plan_rows: int, context: int, dtype: str, backend):
+def offline_step(model: str, plan_mode, plan_rows: int | None, context: int, dtype: str, backend,
+                 table=None):
     """Plan ``model``'s step offline (the rule set's named kernels, the documented policy
-    defaults) and lower it with the circuit's weight shapes (no checkpoint is read)."""
-    from fuel.circuit.fuser import AvailableKernels, fuse
+    defaults) and lower it with the circuit's weight shapes (no checkpoint is read). A
+    verify_batch step takes its runs from ``table`` (a :class:`~fuel.circuit.runs.RowTable`)."""
+    from fuel.circuit.fuser import AvailableKernels, fuse, fuse_table
     from fuel.circuit.policy import build_policy
     from fuel.circuit.rules import load_builtin_rules
     from fuel.cli.circuit import resolve_circuit
@@ -38,11 +45,15 @@ def offline_step(model: str, plan_mode, plan_rows: int, context: int, dtype: str
 
     circuit = resolve_circuit(model, None, None)
     rules = load_builtin_rules("cpu" if backend is BackendId.CPU else "cuda")
-    plan = fuse(circuit, rules, AvailableKernels.all_named_by(rules), build_policy(), plan_mode,
-                plan_rows)
+    available = AvailableKernels.all_named_by(rules)
+    if table is not None:
+        plan = fuse_table(circuit, rules, available, build_policy(), table)
+        runs = tuple((run.k, run.n) for run in table.runs)
+    else:
+        plan = fuse(circuit, rules, available, build_policy(), plan_mode, plan_rows)
+        runs = _RUNS[plan_mode.value](plan_rows)
     block_size = 16
     max_blocks = -(-context // block_size)
-    runs = _RUNS[plan_mode.value](plan_rows)
     sequences = sum(n for _, n in runs)
     return lower(plan, circuit, expected_weight_shapes(circuit),
                  StepShape(runs, block_size, max_blocks * sequences, max_blocks, context),
@@ -52,23 +63,27 @@ def offline_step(model: str, plan_mode, plan_rows: int, context: int, dtype: str
 @app.command("explain")
 def explain_command(
     model: Annotated[str, typer.Argument(help="A zoo model name (see `fuel models`).")],
-    mode: Annotated[str, typer.Option("--mode", help="decode | multi_seq | verify | draft")] = "decode",
-    rows: Annotated[int | None, typer.Option("--rows", help="Padded rows of the step (default 1 for decode and draft).")] = None,
+    mode: Annotated[str, typer.Option("--mode", help="decode | multi_seq | verify | verify_batch | draft | prefill")] = "decode",
+    rows: Annotated[int | None, typer.Option("--rows", help="Padded rows of the step (default 1 for decode and draft; a prefill chunk's rows).")] = None,
+    table_text: Annotated[str | None, typer.Option("--table", help="verify_batch row table, e.g. \"4x3 3x1!\".")] = None,
     device_name: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
     spec: Annotated[str | None, typer.Option("--spec", help="Device spec to price on (default: cpu-local for cpu).")] = None,
     context: Annotated[int, typer.Option("--context", help="Longest context the step may attend.")] = 1024,
     dtype: Annotated[str, typer.Option("--dtype", help="f32 or bf16.")] = "f32",
     judge: Annotated[bool, typer.Option("--judge/--no-judge", help="Use this machine's Judge store.")] = True,
     jit: Annotated[bool, typer.Option("--jit/--no-jit", help="Adopt numba kernels for the step's requests first, so the adopted branches show (priced from the Judge store that `fuel run --jit` fills).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the decision record as one JSON document.")] = False,
 ) -> None:
     """Which arms each branch had, what each cost (and whether the Judge measured it), who won, why."""
     from fuel.cli.circuit_show import plan_request
     from fuel.graph import BackendId, Device
 
-    plan_mode, plan_rows, _ = plan_request(mode, rows, None)
-    if plan_mode.value not in _RUNS:
-        raise InputError("command line", "--mode", f"fuel explain lowers decode, draft, multi_seq or "
-                                                   f"verify steps, not {plan_mode.value}")
+    plan_mode, plan_rows, row_table = plan_request(mode, rows, table_text)
+    if row_table is None and plan_mode.value not in _RUNS:
+        raise InputError("command line", "--mode", f"fuel explain has no step shape for "
+                                                   f"{plan_mode.value}")
+    if row_table is not None:
+        plan_rows = row_table.rows()
     try:
         device = Device.parse(device_name)
     except ValueError:
@@ -86,7 +101,8 @@ def explain_command(
     from fuel.optimize import OptimizeOptions, optimize_graph
     from fuel.optimize.render import render_explanation
 
-    step = offline_step(model, plan_mode, plan_rows, context, dtype, device.backend)
+    step = offline_step(model, plan_mode, plan_rows, context, dtype, device.backend,
+                        row_table)
     table = torch_table(device.backend)
     runtime, adoption_lines = None, []
     if jit:
@@ -107,9 +123,20 @@ def explain_command(
                               jit_budget=JitBudget(max_compile_ms=JIT_BUDGET_MS))
     optimized = optimize_graph(step.graph, step.roots, options)
     cells = len(oracle) if oracle is not None else 0
-    header = (f"fuel explain {model}  mode={plan_mode.value} rows={plan_rows} device={device} "
-              f"spec={spec_name} dtype={dtype} context={context} judge={cells} cells"
-              f"{' jit=on' if jit else ''}")
+    if as_json:
+        from fuel.optimize.render import explanation_document
+
+        document = explanation_document(optimized, step.graph, {
+            "model": model, "mode": plan_mode.value, "rows": plan_rows,
+            "table": row_table.text() if row_table is not None else None,
+            "device": str(device), "spec": spec_name, "dtype": dtype, "context": context,
+            "judge_cells": cells, "jit": adoption_lines})
+        typer.echo(json.dumps(document, indent=1, allow_nan=False))
+        return
+    table_note = f" table={row_table.text()}" if row_table is not None else ""
+    header = (f"fuel explain {model}  mode={plan_mode.value} rows={plan_rows}{table_note} "
+              f"device={device} spec={spec_name} dtype={dtype} context={context} judge={cells} "
+              f"cells{' jit=on' if jit else ''}")
     for line in adoption_lines:
         header += "\n" + line
     typer.echo(render_explanation(optimized, step.graph, header), nl=False)

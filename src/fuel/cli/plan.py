@@ -65,6 +65,8 @@ def plan_command(
     interconnect: Annotated[str | None, typer.Option("--interconnect", help="Link between a server's GPUs (default: the device's, see devices.toml).")] = None,
     network: Annotated[str, typer.Option("--network", help="Link between servers (with --nodes > 1).")] = "infiniband-ndr",
     utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="Share of each GPU's memory a rank may use (vLLM's default 0.9).")] = 0.9,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="Plan the run's dtype (bf16 | f16 | f32): weights and activations, as `fuel run --dtype` computes them.")] = None,
+    weights: Annotated[str | None, typer.Option("--weights", help="The weights' stored format (any format spelling, e.g. f32, fp8/channel); overrides --dtype for weights.")] = None,
 ) -> None:
     """What MODEL does on a device: roofline, memory fit, fused plans, gaps, coverage."""
     from fuel.circuit.policy import build_policy, parse_assignments
@@ -72,6 +74,7 @@ def plan_command(
     from fuel.circuit.runs import RowTable
     from fuel.cli.circuit import resolve_circuit
     from fuel.cost.devices import device as device_spec
+    from fuel.circuit.format import BF16
     from fuel.report.build import (DEFAULT_TABLES, ReportOptions, build_report, device_info,
                                    kv_format_for, rule_set_for)
 
@@ -83,11 +86,24 @@ def plan_command(
                              f"{', '.join(m.value for m in Mode)})")
         modes.append(mode)
     tables = tuple(RowTable.parse(t) for t in (table or DEFAULT_TABLES))
+    from fuel.circuit.format import FormatError
+    from fuel.circuit.format import parse as parse_format
+    from fuel.report.build import in_dtype
+
+    if dtype is not None and dtype not in ("bf16", "f16", "f32"):
+        raise InputError("--dtype", dtype, "expected bf16, f16 or f32")
+    try:
+        weight_format = parse_format(weights) if weights is not None else None
+    except FormatError as error:
+        raise InputError("--weights", weights, str(error)) from None
+    run_format = parse_format(dtype) if dtype is not None else None
     spec = device_spec(device)
-    circ = resolve_circuit(model, circuit, config)
+    circ = in_dtype(resolve_circuit(model, circuit, config),
+                    weights=weight_format or run_format, activations=run_format)
     policy = build_policy(parse_assignments(settings), levers)
     choice = rule_set_for(spec.title, spec.kind.value)
-    options = ReportOptions(context=context, kv_format=kv_format_for(policy), tables=tables,
+    options = ReportOptions(context=context,
+                            kv_format=kv_format_for(policy, run_format or BF16), tables=tables,
                             serve=tuple(modes))
     name = model if model is not None else str(config)
     info = device_info(spec)

@@ -117,6 +117,13 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
         bakes.add_row(row["mode"], rows, str(row["block_table_width"]), row["decisions"],
                       str(row["adopted_kernel_calls_per_step"]))
     console.print(bakes)
+    if result.get("routes"):
+        routes = Table("mode", "branch", "arm", "device", "steps", "why",
+                       title="routes taken at live branches (route picker, live signals)")
+        for row in result["routes"]:
+            routes.add_row(row["mode"], f"%{row['branch']}", str(row["arm"]), row["device"],
+                           str(row["steps"]), row["reason"])
+        console.print(routes)
     print_jit(console, result)
 
 

@@ -8,8 +8,10 @@ class) names the same node — the one ``size_class`` the profiler also uses.
   value the plan allows); a symbol without a binding makes the node :class:`Unestimated`.
 - Paged attention is priced at occupancy when ``context_lens`` (one length per sequence) is
   given, else at the block table's capacity.
-- Layout ops that torch performs as views (reshape, permute, transpose, slice, ...) cost one
-  dispatch and no traffic; leaves (inputs, weights) and branch nodes cost nothing.
+- Layout ops that torch performs as views (reshape, permute, transpose, unsqueeze, expand,
+  slice, select) are :func:`fuel.cost.families.view`: no launch, no traffic, one host-side
+  call (zero on a GPU spec, the probed per-call overhead on ``cpu-local``); leaves (inputs,
+  weights) and branch nodes cost nothing.
 - Runtime fused ops (ids from 0x8000) have no family formula: :class:`Unestimated` with the
   reason, so a provider prices their interior instead.
 - The family formula assumes the op runs as one kernel (one launch). Priced for a specific
@@ -121,7 +123,7 @@ def _prim(graph: Graph, node: Node, symbols: Mapping[str, int]) -> CostEstimate:
             out_dtype=dtype, a_batch=math.prod(a[:-2]), b_batch=math.prod(b[:-2]),
         )
     if kind in _VIEWS:
-        return CostEstimate(flops=0, bytes=0, launches=1)
+        return fam.view()
     if kind in _MOVES:
         index_bytes = sum(
             fam.tensor_bytes(_numel(i, symbols), i.dtype.value) for i in inputs[1:]

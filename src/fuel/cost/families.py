@@ -79,8 +79,10 @@ def data_movement(moved_elements: int, dtype: str, *, extra_read_bytes: int = 0)
 
 
 def view() -> CostEstimate:
-    """Reshape/broadcast of a contiguous tensor: metadata only, no kernel launch."""
-    return CostEstimate(flops=0, bytes=0, launches=0)
+    """Reshape/permute/transpose/unsqueeze/expand/slice/select of a tensor: metadata only, no
+    kernel launch and no traffic; one host-side framework call (priced by the device's
+    ``host_call_ns``: nothing on a GPU, the probed per-call overhead on the CPU backend)."""
+    return CostEstimate(flops=0, bytes=0, launches=0, host_calls=1)
 
 
 def reduction(in_elements: int, out_elements: int, dtype: str, out_dtype: str) -> CostEstimate:
@@ -116,6 +118,7 @@ def matmul(
         bytes=traffic,
         matrix_flops=contraction,
         matrix_dtype=dtype if contraction else None,
+        matrix_rows=m if contraction else 0,
     )
 
 

@@ -1,28 +1,38 @@
 """The ``cpu-local`` device: this machine's roofline numbers, measured and cached.
 
-Decided here: what is measured and how it becomes a :class:`DeviceSpec`.
+Decided here: what is measured and how it becomes a :class:`DeviceSpec`. Every rate is taken
+from the kernels fuel's CPU backend really calls, the way it calls them:
 
-- Matrix peaks (fp32, bf16, fp16): the best of a square ``torch.mm`` GEMM (2·n³ FLOP per call).
+- Matrix peaks (fp32, bf16, fp16): the CPU backend's linear kernel (the bound ``fused_linear``
+  entry: its prepared weight layout, ``mm`` or oneDNN) at M=256, K=N=512 — a prefill-shaped
+  GEMM (2·M·K·N FLOP per call).
+- Matrix-vector rates (``gemv_flops``, per dtype): the same kernel at M=1 on a 4096 x 4096
+  weight (64 MiB in f32: twice this machine's last-level cache), as every decode step calls it:
+  that rate is what a one-row product achieves, bandwidth and all.
+- Bandwidth: the bytes that f32 matrix-vector product reads per second — what a decode step
+  does (it reads weights and the KV cache; it writes almost nothing). The streaming
+  ``copy_`` rate (read + write) is recorded in the source line; writes cost more than reads on
+  this hardware, so the copy rate would understate a read-dominated step.
 - Vector rate: in-cache ``torch.addcmul`` (2 FLOP per element) — elementwise work at its best —
   as the slope between two sizes, so the fixed per-call cost (priced separately, as launch
   overhead) is not folded into the rate.
-- Bandwidth: a streaming ``copy_`` of a 64 MiB buffer (read + write = 2 × 64 MiB per call),
-  far larger than any per-core cache.
 - Cache tier: streaming ``copy_`` calls whose working set (source + target) is a fraction of
   the L2 size the OS reports (sysfs) times the thread count (each thread streams through its
   own core's L2). The cache bandwidth is the slope between the two smallest working sets
   (1/16 and 1/4 of that size), so the fixed per-call cost drops out; the tier's size is the
   largest swept working set (1/16, 1/4, 1/2, 3/4, 1 of it) whose copy, less that fixed cost,
   still streams within a factor of two of the cache bandwidth (:func:`cache_tier`) — real
-  caches stop holding a stream before their nominal size. No L2 size from the OS, an in-cache
-  rate that is not faster than DRAM, or a slope that does not resolve: no tier, and the source
-  line says which.
-- Launch overhead: a one-element ``torch.add`` — the fixed per-call cost every CPU kernel pays
-  (Python dispatch, the framework's op launch).
+  caches stop holding a stream before their nominal size. It is compared with the DRAM copy
+  rate (like with like). No L2 size from the OS, an in-cache rate that is not faster than DRAM,
+  or a slope that does not resolve: no tier, and the source line says which.
+- Per-call overhead: a one-element ``torch.add`` — the fixed host cost every CPU kernel call
+  pays (Python dispatch, the framework's op launch). It is both the launch overhead and the
+  host cost of a view (``host_call_ns``): on the CPU backend both are one torch call.
 - Memory size: physical RAM.
 
+The probe takes a few seconds on a quiet machine (each rate is a handful of timed calls).
 The result is cached as JSON under ``$FUEL_CACHE_DIR`` (default ``~/.cache/fuel``) in
-``devices/cpu-local-<hash>.json``, keyed by the device fingerprint and library versions, so a
+``devices/cpu-local-<hash>-v<format version>.json``, keyed by the device fingerprint and library versions, so a
 new CPU or a new torch probes afresh. ``reprobe=True`` measures again and overwrites. A cache
 file that cannot be read is reported (a warning naming the file) and replaced by a new probe.
 
@@ -42,8 +52,12 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 2  # 2: the cache tier (cache_bytes, cache_bandwidth_bytes_per_s, cache_note)
+CACHE_VERSION = 3  # 3: linear-kernel GEMM/GEMV rates, read bandwidth, per-call overhead
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
+_GEMV_SHAPE = (4096, 4096)  # (N, K) of the matrix-vector weight: 64 MiB in f32, twice the LLC
+_GEMM_SHAPE = (256, 512, 512)  # (M, K, N) of the prefill-shaped product
+_SLOW_CALL_NS = 100_000_000
+_DTYPES = (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"))
 _CACHE_FRACTIONS = (1 / 16, 1 / 4, 1 / 2, 3 / 4, 1)
 _CACHE_SLOWDOWN = 2.0  # a working set belongs to the tier while it streams within this factor
 
@@ -52,7 +66,9 @@ def cache_path(threads: int | None = None) -> Path:
     """The cache file for this machine and libraries (and an explicit torch thread count)."""
     key = short_hash(device_fingerprint("cpu") + "|" + library_versions())
     suffix = "" if threads is None else f"-t{threads}"
-    return cache_dir() / "devices" / f"cpu-local-{key}{suffix}.json"
+    # The format version is in the name: processes running another fuel (another cache
+    # format) on the same machine keep their own files instead of replacing each other's.
+    return cache_dir() / "devices" / f"cpu-local-{key}-v{CACHE_VERSION}{suffix}.json"
 
 
 def _physical_memory_bytes() -> int:
@@ -151,20 +167,50 @@ def _vector_flops_per_s(torch) -> float:
     return (large - small) / ((large_ns - small_ns) * 1e-9)
 
 
-def _gemm_flops_per_s(torch, dtype) -> float:
-    """Best GEMM rate for ``dtype``; shrinks the problem if one call is slow (no fast path)."""
-    best = 0.0
-    for n in (1024, 512):
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
-        out = torch.empty(n, n, dtype=dtype)
-        measured = profile_kernel(
-            lambda: torch.mm(a, b, out=out), warmup=1, repeats=5, min_sample_ns=20_000_000
-        )
-        best = max(best, 2 * n**3 / (measured.median_ns * 1e-9))
-        if measured.median_ns < 200_000_000:
-            break  # fast enough at this size: the big GEMM is the honest peak
-    return best
+def _linear_kernel(torch, dtype):
+    """The CPU backend's bound linear kernel for ``dtype`` (what a step's projections call)."""
+    from fuel.graph import BackendId, DType, FusedOpParams, FusedOps, Graph
+    from fuel.kernels import cpu_table
+
+    graph_dtype = {torch.float32: DType.F32, torch.bfloat16: DType.BF16,
+                   torch.float16: DType.F16}[dtype]
+    graph = Graph()
+    x = graph.input("x", [1, 8], graph_dtype)
+    w = graph.input("w", [8, 8], graph_dtype)
+    node_id = graph.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(), x, w)
+    entry = cpu_table().find(FusedOps.FUSED_LINEAR, (graph_dtype,) * 3, BackendId.CPU)
+    assert entry is not None, "the CPU table binds fused_linear for every float dtype"
+    return entry.kernel(graph.node(node_id))
+
+
+def _linear_rate(torch, dtype, m: int, k: int, n: int, *, shrink: bool = True) -> tuple[float, int]:
+    """(FLOP/s, median ns per call) of the CPU linear kernel on an [m, k] x [n, k]^T product.
+
+    A dtype the CPU computes slowly (one call over ``_SLOW_CALL_NS``: compute-bound, far from
+    the bandwidth) is timed on an eighth of the rows (M, or N for a one-row product) instead, so the probe stays fast; the rate
+    of a compute-bound kernel does not depend on where its operands live."""
+    import time
+
+    linear = _linear_kernel(torch, dtype)
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    linear(x, w)  # prepares (transposes or packs) the weight once, as a real run does
+    started = time.perf_counter_ns()
+    linear(x, w)
+    once = time.perf_counter_ns() - started
+    if shrink and once > _SLOW_CALL_NS and max(m, n) >= 64:
+        if m >= 64:
+            m //= 8
+            x = x[:m].contiguous()
+        else:
+            n //= 8
+            w = w[:n].contiguous()
+        linear(x, w)
+        measured = profile_kernel(lambda: linear(x, w), warmup=0, repeats=3, min_sample_ns=0)
+    else:
+        measured = profile_kernel(lambda: linear(x, w), warmup=1, repeats=5,
+                                  min_sample_ns=2_000_000)
+    return 2 * m * k * n / (measured.median_ns * 1e-9), measured.median_ns
 
 
 def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str]:
@@ -176,18 +222,25 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
         torch.set_num_threads(threads)
 
     numbers: dict[str, float | int | str] = {}
-    numbers["fp32_flops"] = _gemm_flops_per_s(torch, torch.float32)
-    numbers["bf16_flops"] = _gemm_flops_per_s(torch, torch.bfloat16)
-    numbers["fp16_flops"] = _gemm_flops_per_s(torch, torch.float16)
+    m, k, n = _GEMM_SHAPE
+    rows, cols = _GEMV_SHAPE
+    for name, torch_name in _DTYPES:
+        dtype = getattr(torch, torch_name)
+        numbers[f"{name}_flops"] = _linear_rate(torch, dtype, m, k, n)[0]
+        # The f32 product is the bandwidth probe: always timed on the full, DRAM-sized weight.
+        rate, gemv_ns = _linear_rate(torch, dtype, 1, cols, rows, shrink=name != "fp32")
+        numbers[f"{name}_gemv_flops"] = rate
+        if name == "fp32":
+            numbers["bandwidth_bytes_per_s"] = rows * cols * 4 / (gemv_ns * 1e-9)
 
     numbers["vector_flops"] = _vector_flops_per_s(torch)
 
     source = torch.ones(_BANDWIDTH_BYTES // 4)
     target = torch.empty_like(source)
-    copy = profile_kernel(lambda: target.copy_(source), warmup=2, repeats=9, min_sample_ns=50_000_000)
-    numbers["bandwidth_bytes_per_s"] = 2 * _BANDWIDTH_BYTES / (copy.median_ns * 1e-9)
+    copy = profile_kernel(lambda: target.copy_(source), warmup=1, repeats=5, min_sample_ns=20_000_000)
+    numbers["copy_bytes_per_s"] = 2 * _BANDWIDTH_BYTES / (copy.median_ns * 1e-9)
     cache_bytes, cache_bandwidth, note = _measure_cache_tier(
-        torch, torch.get_num_threads(), float(numbers["bandwidth_bytes_per_s"])
+        torch, torch.get_num_threads(), float(numbers["copy_bytes_per_s"])
     )
     numbers["cache_bytes"] = cache_bytes
     numbers["cache_bandwidth_bytes_per_s"] = cache_bandwidth
@@ -202,12 +255,12 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
 
 
 def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
-    peaks = {
-        PeakClass.FP32: float(numbers["fp32_flops"]),
-        PeakClass.BF16: float(numbers["bf16_flops"]),
-        PeakClass.FP16: float(numbers["fp16_flops"]),
-    }
+    classes = {"fp32": PeakClass.FP32, "bf16": PeakClass.BF16, "fp16": PeakClass.FP16}
+    peaks = {cls: float(numbers[f"{name}_flops"]) for name, cls in classes.items()}
+    gemv = {cls: float(numbers[f"{name}_gemv_flops"]) for name, cls in classes.items()}
     probe = f"probed on this machine ({fingerprint}; torch threads={numbers['torch_threads']})"
+    m, k, n = _GEMM_SHAPE
+    rows, cols = _GEMV_SHAPE
     return DeviceSpec(
         name="cpu-local",
         title="This machine's CPU (probed)",
@@ -218,10 +271,10 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         memory_bytes=int(numbers["memory_bytes"]),
         launch_overhead_ns=int(numbers["launch_overhead_ns"]),
         sources={
-            "peak_tflops": f"{probe}: best square torch.mm GEMM (n=1024, 512) per dtype; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements",
-            "bandwidth": f"{probe}: streaming copy_ of a 64 MiB buffer, 2 x 64 MiB per call",
+            "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements",
+            "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product on a {rows}x{cols} weight (a decode step reads); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
             "memory": f"{probe}: physical RAM (sysconf)",
-            "launch_overhead": f"{probe}: median one-element torch.add call",
+            "launch_overhead": f"{probe}: median one-element torch.add call (also the host cost of a view)",
             "cache": f"{probe}: {numbers['cache_note']}",
         },
         probed=True,
@@ -230,6 +283,8 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
             None if numbers["cache_bandwidth_bytes_per_s"] is None
             else float(numbers["cache_bandwidth_bytes_per_s"])
         ),
+        gemv_flops=gemv,
+        host_call_ns=int(numbers["launch_overhead_ns"]),
     )
 
 
@@ -237,6 +292,10 @@ _REQUIRED = (
     "fp32_flops",
     "bf16_flops",
     "fp16_flops",
+    "fp32_gemv_flops",
+    "bf16_gemv_flops",
+    "fp16_gemv_flops",
+    "copy_bytes_per_s",
     "vector_flops",
     "bandwidth_bytes_per_s",
     "launch_overhead_ns",

@@ -5,7 +5,13 @@ Decided here: how an op's work (:class:`CostEstimate`) becomes a time on a devic
 
     composite_ns = max(vector_flops / vector_peak + matrix_flops / matrix_peak(dtype),
                        bytes / bandwidth(tier))
-                   + launches * launch_overhead + overhead_ns
+                   + launches * launch_overhead + host_calls * host_call_overhead + overhead_ns
+
+``launches`` are device kernel launches; ``host_calls`` are host-side framework calls that
+launch nothing (a view: reshape, permute, slice, ... is metadata only). A GPU spec charges
+nothing for them (``host_call_ns = 0``: the host runs ahead of the device); the CPU backend
+dispatches each one through torch, so ``cpu-local`` charges its probed per-call overhead, as
+its own term, never as a launch.
 
 The memory tier: a device with a cache tier (``DeviceSpec.cache_bytes`` and
 ``cache_bandwidth_bytes_per_s``) prices an estimate whose working set — its ``bytes``, every
@@ -54,7 +60,8 @@ class CostEstimate:
     the dense peak for ``matrix_dtype``; the rest is priced against the vector FP32 rate.
     ``bytes`` is the minimum DRAM traffic (each input read once, each output written once).
     ``overhead_ns`` is fixed device-independent time outside the roofline (host-side work);
-    ``launches`` is how many kernel launches the work takes.
+    ``launches`` is how many kernel launches the work takes; ``host_calls`` how many host-side
+    framework calls it makes that launch no kernel (views).
     """
 
     flops: int
@@ -63,9 +70,14 @@ class CostEstimate:
     launches: int = 1
     matrix_flops: int = 0
     matrix_dtype: str | None = None
+    host_calls: int = 0
+    matrix_rows: int = 0
+    """Rows of the matrix product (M per batch); 1 is a matrix-vector product, priced at the
+    device's measured matrix-vector rate where it has one. A fold keeps the larger."""
 
     def __post_init__(self) -> None:
-        for name in ("flops", "bytes", "overhead_ns", "launches", "matrix_flops"):
+        for name in ("flops", "bytes", "overhead_ns", "launches", "matrix_flops", "host_calls",
+                     "matrix_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CostEstimate.{name} must be a non-negative int, got {value!r}")
@@ -100,6 +112,8 @@ class CostEstimate:
             launches=_saturate(self.launches + other.launches),
             matrix_flops=_saturate(self.matrix_flops + other.matrix_flops),
             matrix_dtype=dtype if (self.matrix_flops or other.matrix_flops) else None,
+            host_calls=_saturate(self.host_calls + other.host_calls),
+            matrix_rows=max(self.matrix_rows, other.matrix_rows),
         )
 
 
@@ -168,7 +182,7 @@ def roofline(estimate: CostEstimate, device: DeviceSpec) -> Priced | Unpriced:
         compute_ns += _time_ns(estimate.vector_flops, device.vector_flops)
     if estimate.matrix_flops:
         dtype = estimate.matrix_dtype or ""
-        peak = device.matrix_peak(dtype)
+        peak = device.matrix_peak(dtype, rows=estimate.matrix_rows)
         if not _usable(peak):
             return Unpriced(f"{device.name}: no usable dense matrix peak for dtype {dtype}")
         compute_ns = _saturate(compute_ns + _time_ns(estimate.matrix_flops, peak))
@@ -183,7 +197,8 @@ def roofline(estimate: CostEstimate, device: DeviceSpec) -> Priced | Unpriced:
             return Unpriced(f"{device.name}: {what} {bandwidth!r} is unusable")
         memory_ns = _time_ns(estimate.bytes, bandwidth)
     launch_ns = _saturate(estimate.launches * max(device.launch_overhead_ns, 0))
-    overhead_ns = _saturate(launch_ns + estimate.overhead_ns)
+    host_ns = _saturate(estimate.host_calls * max(device.host_call_ns, 0))
+    overhead_ns = _saturate(launch_ns + host_ns + estimate.overhead_ns)
     if compute_ns == 0 and memory_ns == 0:
         bound = Bound.OVERHEAD
     elif compute_ns >= memory_ns:

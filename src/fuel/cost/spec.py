@@ -107,13 +107,24 @@ class DeviceSpec:
     probed: bool = False
     cache_bytes: int | None = None
     cache_bandwidth_bytes_per_s: float | None = None
+    gemv_flops: dict[PeakClass, float] = field(default_factory=dict)
+    """Matrix-vector (one-row) FLOP/s per dtype where it was measured (``cpu-local``: the CPU
+    linear kernel at M=1 on a weight larger than the last-level cache). A one-row product is
+    priced at it when present; a datasheet device has none and uses its dense peak."""
+    host_call_ns: int = 0
+    """Host time of one framework call that launches no kernel (a view). 0 on a GPU (the host
+    runs ahead of the device); the probed per-call overhead on ``cpu-local``."""
 
     def has_cache_tier(self) -> bool:
         return self.cache_bytes is not None and self.cache_bandwidth_bytes_per_s is not None
 
-    def matrix_peak(self, dtype: str) -> float | None:
-        """Dense matrix FLOP/s for a dtype, or None when the device has no such peak."""
+    def matrix_peak(self, dtype: str, *, rows: int = 0) -> float | None:
+        """Dense matrix FLOP/s for a dtype, or None when the device has no such peak. A
+        one-row product (``rows == 1``) takes the measured matrix-vector rate where there is
+        one."""
         peak = peak_class_of(dtype)
         if peak is None:
             return None
+        if rows == 1 and peak in self.gemv_flops:
+            return self.gemv_flops[peak]
         return self.peak_flops.get(peak)

@@ -123,12 +123,6 @@ def _expr_items(value: Any) -> Iterator[Any]:
         yield value
 
 
-def slot_names(region: PatternNode) -> tuple[str, ...]:
-    names = {item.name for n in walk(region) if isinstance(n, PatternOp)
-             for _, value in n.attrs for item in _expr_items(value) if isinstance(item, Slot)}
-    return tuple(sorted(names))
-
-
 def fill_slots(region: PatternNode, values: Mapping[str, Any]) -> PatternNode:
     """The region with every ``Slot`` whose name is in ``values`` replaced by its value."""
     memo: dict[PatternNode, PatternNode] = {}

@@ -510,15 +510,17 @@ def recipe_for(graph: Graph, node_id: NodeId,
 
 def decompose(graph: Graph, node_id: NodeId,
               runtime: RuntimeFusedRegistry | None = None) -> NodeId:
-    """Emit the node's recipe over its inputs and return the region's root; on any failure
-    (not fused, no recipe, untypable, a root whose shape/dtype differs from the node's)
-    return ``node_id`` itself. Never raises."""
+    """Emit the node's recipe over its inputs and return the region's root; on any ordinary
+    failure (not fused, no recipe, untypable, a root whose shape/dtype differs from the node's)
+    return ``node_id`` itself. Those are values (``None``, :class:`EmitRefused`) or a
+    :class:`ShapeError` from a recipe template that cannot type the node's params; anything
+    else is a bug and propagates, never disguised as "no recipe"."""
     try:
         region = recipe_for(graph, node_id, runtime)
-        if region is None:
-            return node_id
-        node = graph.node(node_id)
-        root = emit(graph, region, node.inputs, expect=(node.shape, node.dtype))
-    except Exception:  # noqa: BLE001 — totality is the contract: a surprise declines
+    except ShapeError:
         return node_id
+    if region is None:
+        return node_id
+    node = graph.node(node_id)
+    root = emit(graph, region, node.inputs, expect=(node.shape, node.dtype))
     return node_id if isinstance(root, EmitRefused) else root

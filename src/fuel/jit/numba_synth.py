@@ -311,12 +311,6 @@ def _rowwise_source(program: RowProgram) -> str:
     return text
 
 
-def _compute_dtype(dtype: DType):
-    import torch
-
-    return torch.float32 if dtype in (DType.F32, DType.BF16, DType.F16) else None
-
-
 class _RowRunner:
     """Presents torch tensors to a row-wise kernel (see ``fuel.jit.rowwise`` conventions)."""
 

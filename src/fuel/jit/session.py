@@ -8,7 +8,10 @@ Decides what happens between lowering a step and baking it, when JIT is on:
    ``paged_attn`` and ``residual_add_rms_norm``). Requests are grouped by (structure key,
    operand shapes): every layer repeats the same region, so one adoption serves them all; a new
    shape (another block-table width, a prefill chunk) is verified and gated again, because
-   that is where the kernel will run.
+   that is where the kernel will run. Every outcome is kept per (region, operand shapes):
+   :meth:`JitSession.gate` is the :class:`~fuel.optimize.ShapeGate` the optimizer reads, so a
+   kernel that failed verification or was measured slower at a shape is never offered (nor
+   measured, nor baked) there, and the decision record says why.
 2. **Adoption** (:func:`fuel.jit.adopt.adopt`): synthesize (numba; its disk cache makes later
    runs load instead of compile), verify against the recipe, cost-gate, register, bind into the
    session's table. Every outcome — adopted, declined, wrong, slower — is an
@@ -103,6 +106,15 @@ def _shapes(request: JitRequest) -> str:
     return ", ".join(str(o) for o in request.operands)
 
 
+def _gate_key(request: JitRequest) -> tuple[str, tuple]:
+    """(the region's stable Judge name, its operand shapes): how the optimizer asks the gate."""
+    from fuel.graph.recipe import structural_hash
+    from fuel.optimize.providers import runtime_judge_name
+
+    return (runtime_judge_name(structural_hash(request.region)),
+            tuple(tuple(o.shape) for o in request.operands))
+
+
 @dataclass
 class JitSession:
     """Adoption and arm measurement for one engine's programs (see the module docs).
@@ -127,6 +139,7 @@ class JitSession:
     measured: list[Any] = field(default_factory=list)
     """The Judge rows this session measured and stored."""
     _tried: dict[tuple[str, str], AdoptionEvent] = field(default_factory=dict)
+    _verdicts: dict[tuple[str, tuple], str | None] = field(default_factory=dict)
     _judge: Any = None
 
     def __post_init__(self) -> None:
@@ -150,9 +163,19 @@ class JitSession:
             event = AdoptionEvent(region, _shapes(request), str(request.output), len(nodes),
                                   record)
             self._tried[key] = event
+            self._verdicts[_gate_key(request)] = (
+                None if record.adopted else f"{record.outcome.value}: {record.reason}")
             self.events.append(event)
             new.append(event)
         return new
+
+    def gate(self):
+        """The per-shape admission of this session's adopted kernels (see the module docs)."""
+        from types import MappingProxyType
+
+        from fuel.optimize.pathfinders import ShapeGate
+
+        return ShapeGate(MappingProxyType(dict(self._verdicts)))
 
     def judge(self):
         """The Judge snapshot the bake reads (this machine's rows of the store)."""

@@ -428,7 +428,3 @@ def torch_table(backend: BackendId = BackendId.CPU) -> KernelBindingTable:
                     calls=_CALLS.get(fused_id, calls_here.get(fused_id))))
     return table
 
-
-def fused_with_torch_kernel() -> frozenset[FusedOps]:
-    return frozenset(_FUSED)
-

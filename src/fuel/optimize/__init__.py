@@ -12,7 +12,8 @@ from fuel.optimize.optimize import (
     optimize_graph,
 )
 from fuel.optimize.pathfinders import (
-    FlashAdmission, offer_decode_flash_arms, offer_placement_forks, offer_runtime_fused_arms,
+    FlashAdmission, ShapeGate, offer_decode_flash_arms, offer_placement_forks,
+    offer_runtime_fused_arms, operand_shapes,
 )
 from fuel.optimize.providers import (
     Pricing, decode_arm_composite_ns, decode_arm_composite_ns_judged, judge_key, price_arm,
@@ -27,7 +28,8 @@ __all__ = [
     "ADOPTED", "Offered", "bake_offered", "offer_arms",
     "ArmCostFn", "ArmDeclined", "ArmPrice", "ArmPricer", "ArmRecord", "BakeOutcome", "BakePolicy",
     "BranchKind", "CostSource", "Decision", "FlashAdmission", "Lowering", "NodePrice", "Offer",
-    "OptimizeOptions", "OptimizedGraph", "Pricing", "Reason", "ResidencyCopy", "arm_location",
+    "OptimizeOptions", "OptimizedGraph", "Pricing", "Reason", "ResidencyCopy", "ShapeGate",
+    "arm_location", "operand_shapes",
     "bake", "bake_variant_branches", "decode_arm_composite_ns", "decode_arm_composite_ns_judged",
     "judge_key", "offer_decode_flash_arms", "offer_placement_forks", "offer_runtime_fused_arms",
     "optimize_graph", "price_arm", "recipe_estimate", "runtime_judge_name",

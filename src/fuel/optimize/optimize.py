@@ -8,7 +8,8 @@ Decides, in this order (each step sees the previous one's graph):
    so the executor can run everything; the JIT carrier is asked for a request first, so the
    caller can synthesize a kernel and the next optimize offers it as an arm. When the runtime
    registry already holds a region structurally equal to that recipe (an adopted kernel) with a
-   kernel bound on the backend, the branch is built right there: arm 0 the recipe, arm 1 the
+   kernel bound on the backend, and the options' :class:`ShapeGate` (when given) admits it at
+   this node's operand shapes, the branch is built right there: arm 0 the recipe, arm 1 the
    runtime fused node over the same inputs. The merge is the node's single reader; a value
    with several readers (residual_add_rms_norm's two selects) or a root gets an identity merge
    (a same-shape reshape) that every reader reads, spliced out again once the bake collapses
@@ -53,7 +54,8 @@ from fuel.graph.registry import (
 from fuel.kernels.table import KernelBindingTable, key_dtypes, op_key, required_caps
 from fuel.optimize.decisions import BranchKind, Decision, Lowering, Offer, Reason
 from fuel.optimize.pathfinders import (
-    FlashAdmission, offer_decode_flash_arms, offer_placement_forks, offer_runtime_fused_arms,
+    FlashAdmission, ShapeGate, offer_decode_flash_arms, offer_placement_forks,
+    offer_runtime_fused_arms, operand_shapes,
 )
 from fuel.optimize.providers import Pricing, price_arm, runtime_judge_name
 from fuel.optimize.variant_bake import ArmDeclined, BakePolicy, arm_location, bake
@@ -71,6 +73,9 @@ class OptimizeOptions:
     judge: object | None = None
     """A :class:`~fuel.cost.JudgeOracle` (or anything with ``measured_latency_ns``)."""
     runtime: RuntimeFusedRegistry | None = None
+    runtime_gate: ShapeGate | None = None
+    """Per-shape admission of the runtime registry's kernels (a JIT session's adoption
+    outcomes); None: every registered kernel is offered wherever it matches."""
     symbols: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """Capacity of each symbolic dim (``k_len`` → the longest context the plan allows)."""
     lower_unrunnable: bool = True
@@ -171,6 +176,12 @@ def _adopted_kernel(graph: Graph, node_id: NodeId, backend: BackendId,
     if table.find(runtime_id, key_dtypes(graph, node_id), backend) is None:
         return (f"{runtime_judge_name(digest)} is registered but has no {backend.value} kernel "
                 f"for [{', '.join(d.value for d in key_dtypes(graph, node_id))}]")
+    if options.runtime_gate is not None:
+        node = graph.node(node_id)
+        refused = options.runtime_gate.refusal(runtime_judge_name(digest),
+                                               operand_shapes(graph, node.inputs, node_id))
+        if refused is not None:
+            return refused
     return runtime_id, runtime_judge_name(digest)
 
 
@@ -320,7 +331,7 @@ def offer_arms(graph: Graph, roots: Iterable[NodeId],
         offers += offer_decode_flash_arms(graph, roots, options.table, device.backend, options.flash)
     if options.offer_runtime_fused and priced:
         offers += offer_runtime_fused_arms(graph, roots, options.runtime, options.table,
-                                           device.backend)
+                                           device.backend, options.runtime_gate)
     if options.placement_devices:
         offers += offer_placement_forks(graph, roots, options.table, device,
                                         options.placement_devices)

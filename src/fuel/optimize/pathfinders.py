@@ -9,7 +9,8 @@ as a branch arm (arm 0 always the decomposed oracle). They decide nothing about 
   and a decomposed attention region matching the flash recipe (a fused node is pushed as arm 1).
 - :func:`offer_runtime_fused_arms` — a registered runtime fused region (the JIT's adopted
   kernels) matching a subgraph whose interior nodes are read only inside the region gets the
-  runtime fused node as arm 1, when its kernel is bound on the device.
+  runtime fused node as arm 1, when its kernel is bound on the device and, under a
+  :class:`ShapeGate`, was verified and cost-gated at exactly these operand shapes.
 - :func:`offer_placement_forks` — a heavy node (fused or matmul) with a single reader, which
   another backend can run, gets a copy of itself stamped on that backend as arm 1.
 
@@ -26,8 +27,9 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from fuel.graph.branch import (
     BranchError, arm_interiors, branch_fused_over_recipe, lower, open_branch,
@@ -41,6 +43,7 @@ from fuel.graph.registry import (
 )
 from fuel.kernels.table import KernelBindingTable, op_key, required_caps
 from fuel.optimize.decisions import Offer
+from fuel.optimize.providers import runtime_judge_name
 
 FLASH = "flash-decode"
 RUNTIME = "runtime-fused"
@@ -55,6 +58,35 @@ class FlashAdmission:
     max_head_dim: int = 256
     head_dim_multiple: int = 8
     dtypes: tuple[DType, ...] = (DType.BF16, DType.F16, DType.F32)
+
+
+Shapes = tuple[tuple[int | str, ...], ...]
+"""Operand shapes of a fused node: its inputs in bind order, then its output."""
+
+
+def operand_shapes(graph: Graph, inputs: Sequence[NodeId], output: NodeId) -> Shapes:
+    return tuple(tuple(graph.node(n).shape.dims) for n in (*inputs, output))
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeGate:
+    """Where adopted (runtime fused) kernels may be offered: per region (its stable
+    ``jit:<hash>`` Judge name) and operand shapes, ``None`` when the kernel was verified and
+    measured faster there, else the reason it was refused. A kernel is offered only at a shape
+    it was admitted at: one refused there (wrong numbers, slower) or never tried there is not,
+    and the offer records why. Without a gate (``None`` in the options) every registered kernel
+    is offered wherever it matches: the caller vouches for it at every shape."""
+
+    verdicts: Mapping[tuple[str, Shapes], str | None] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+    def refusal(self, name: str, shapes: Shapes) -> str | None:
+        """Why ``name``'s kernel may not be offered at ``shapes`` (None: it may)."""
+        where = "; ".join("[" + ", ".join(map(str, s)) + "]" for s in shapes)
+        if (name, shapes) not in self.verdicts:
+            return f"{name}: never verified at {where}: not offered at an unverified shape"
+        verdict = self.verdicts[(name, shapes)]
+        return None if verdict is None else f"{name}: refused at {where}: {verdict}"
 
 
 def claimed_nodes(graph: Graph) -> set[NodeId]:
@@ -222,7 +254,8 @@ def _offer_flash_region(graph, roots, table, backend, admission, readers, root, 
 
 def offer_runtime_fused_arms(graph: Graph, roots: Sequence[NodeId],
                              runtime: RuntimeFusedRegistry | None,
-                             table: KernelBindingTable | None, backend: BackendId) -> list[Offer]:
+                             table: KernelBindingTable | None, backend: BackendId,
+                             gate: ShapeGate | None = None) -> list[Offer]:
     """Offer each registered runtime region as an arm where it matches (see the module docs)."""
     offers: list[Offer] = []
     if runtime is None or not len(runtime) or table is None:
@@ -245,6 +278,11 @@ def offer_runtime_fused_arms(graph: Graph, roots: Sequence[NodeId],
             if table.find(registered.id, dtypes, backend) is None:
                 offers.append(Offer(RUNTIME, node_id, None,
                                     f"{registered.name}: no kernel bound on {backend.value}"))
+                continue
+            refused = gate.refusal(runtime_judge_name(registered.hash),
+                                   operand_shapes(graph, binds, node_id)) if gate else None
+            if refused is not None:
+                offers.append(Offer(RUNTIME, node_id, None, refused))
                 continue
             merge = _single_reader(graph, node_id, roots, readers)
             why = merge if isinstance(merge, str) else _region_is_private(

@@ -1,13 +1,16 @@
-"""Text rendering of an optimize_graph result: what ``fuel explain`` prints.
+"""Text and JSON rendering of an optimize_graph result: what ``fuel explain`` prints.
 
 Decides nothing; shows exactly the recorded values (the lowerings, the offers and their
 declines, every branch decision with each arm's cost, source, winner and reason). Stable: the
 same result renders to the same text (counts sorted by name, decisions in graph order).
+:func:`explanation_document` is the same record as plain data (``fuel explain --json``; its
+shape is ``fuel/report/explain.schema.json``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from fuel.graph.ir import Graph
 from fuel.optimize.decisions import Decision
@@ -64,3 +67,43 @@ def render_explanation(optimized: OptimizedGraph, graph: Graph, header: str = ""
         lines.append(f"  residency: branch %{copy.branch} arm {copy.arm} copies %{copy.value} "
                      f"{copy.source} -> {copy.target} ({copy.bytes if copy.bytes is not None else '?'} bytes)")
     return "\n".join(lines) + "\n"
+
+
+def _decision_doc(decision: Decision) -> dict[str, Any]:
+    return {
+        "branch": decision.branch, "kind": decision.kind.value, "winner": decision.winner,
+        "reason": decision.reason.value, "margin": decision.margin,
+        "collapsed": decision.collapsed, "retained": decision.retained,
+        "arms": [{"arm": a.arm, "exit": a.exit, "label": a.label,
+                  "device": str(a.device) if a.device is not None else None,
+                  "cost_ns": a.cost_ns, "source": a.source.value if a.source else None,
+                  "declined": a.declined} for a in decision.arms],
+    }
+
+
+def explanation_document(optimized: OptimizedGraph, graph: Graph,
+                         step: dict[str, Any]) -> dict[str, Any]:
+    """The decision record as plain data: ``step`` (what was explained: model, mode, rows, ...),
+    the counts, every lowering and declined offer (grouped with counts, as the text shows
+    them), every offer made, every decision with its arms, and the residency copies."""
+    declined = [o for o in optimized.offers if o.branch is None]
+    lowered = Counter((low.op, low.reason) for low in optimized.lowerings)
+    refused = Counter((o.pathfinder, o.detail) for o in declined)
+    return {
+        "schema": "fuel-explain/1",
+        "step": step,
+        "graph": {"nodes": len(graph), "dispatch": len(optimized.order),
+                  "branches": len(optimized.decisions), "baked": optimized.bakes,
+                  "live": len(optimized.live_branches()),
+                  "jit_requests": len(optimized.jit_requests)},
+        "lowered": [{"op": op, "reason": reason, "count": count}
+                    for (op, reason), count in sorted(lowered.items())],
+        "offers_made": [{"pathfinder": o.pathfinder, "node": o.node, "branch": o.branch,
+                         "detail": o.detail} for o in optimized.offers if o.branch is not None],
+        "offers_declined": [{"pathfinder": pathfinder, "detail": detail, "count": count}
+                            for (pathfinder, detail), count in sorted(refused.items())],
+        "decisions": [_decision_doc(d) for d in optimized.decisions],
+        "residency": [{"branch": c.branch, "arm": c.arm, "value": c.value,
+                       "source": str(c.source), "target": str(c.target), "bytes": c.bytes}
+                      for c in optimized.residency],
+    }

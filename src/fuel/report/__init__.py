@@ -26,9 +26,10 @@ from fuel.report.roofline import (DeviceRates, NodeWork, StepEstimate, Workload,
 from fuel.report.text import render_text
 
 
-def load_schema() -> dict[str, Any]:
-    """The JSON Schema every report document validates against."""
-    return json.loads((resources.files("fuel.report") / "plan_report.schema.json").read_text())
+def load_schema(name: str = "plan_report") -> dict[str, Any]:
+    """A JSON Schema the CLI's documents validate against: ``plan_report`` (``fuel plan
+    --json``) or ``explain`` (``fuel explain --json``)."""
+    return json.loads((resources.files("fuel.report") / f"{name}.schema.json").read_text())
 
 
 __all__ = [

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
-from fuel.circuit.format import BF16, Format
+from fuel.circuit.format import BF16, Format, FormatKind
 from fuel.circuit.fuser import AvailableKernels, FuseError, FusionPlan, Policy
 from fuel.circuit.ir import Circuit
 from fuel.circuit.rules import Mode, RepeatKind, RuleSet, load_rules
@@ -49,8 +49,9 @@ NOTES = (
     "runs in chunks, each chunk attending the prompt so far (causal).",
     "Per-row loops (per_row, chunk<n>) re-read weights per pass; MoE layers read "
     "E*(1-(1-k/E)^T) distinct experts for T tokens (uniform routing).",
-    "Matmul-like ops run at the tensor peak of their input dtype (fp4 inputs on a chip with no "
-    "fp4 peak at its fp8, else bf16, peak), element-wise ops at the fp32 vector peak. Available "
+    "Matmul-like ops run at the matrix peak of their input dtype (fp4 inputs on a chip with no "
+    "fp4 peak at its fp8, else bf16, peak); a one-row product (decode) at the device's measured "
+    "matrix-vector rate where it has one; element-wise ops at the fp32 vector peak. Available "
     "kernels are the offline view (every kernel the rule set names).",
     "Memory fit: usable = device memory x 0.9; need = stored weights + KV bytes per token x "
     "context x C.",
@@ -106,17 +107,44 @@ class DeviceInfo:
 
 def device_info(spec: Any) -> DeviceInfo:
     """The report's view of a cost-stage :class:`fuel.cost.spec.DeviceSpec`: bandwidth, the
-    fp32 vector rate (``fp32``) and the dense tensor peaks the roofline prices at (``bf16``,
-    falling back to the chip's fp16 peak, which datasheets quote as equal; ``fp8``; ``fp4``)."""
+    fp32 vector rate (``fp32``), the dense matrix peaks the roofline prices at (``bf16``,
+    falling back to the chip's fp16 peak, which datasheets quote as equal; ``fp16``;
+    ``fp32-matrix``; ``fp8``; ``fp4``) and the measured matrix-vector rates where the spec has
+    them."""
     from fuel.cost.spec import PeakClass
 
     peaks = {"fp32": float(spec.vector_flops)}
     tensor = {"bf16": spec.peak_flops.get(PeakClass.BF16) or spec.peak_flops.get(PeakClass.FP16),
+              "fp16": spec.peak_flops.get(PeakClass.FP16),
+              "fp32-matrix": spec.peak_flops.get(PeakClass.FP32),
               "fp8": spec.peak_flops.get(PeakClass.FP8), "fp4": spec.peak_flops.get(PeakClass.FP4)}
     peaks.update({k: float(v) for k, v in tensor.items() if v})
+    names = {PeakClass.FP32: "fp32-matrix", PeakClass.FP16: "fp16", PeakClass.BF16: "bf16"}
+    matvec = {names[c]: float(v) for c, v in spec.gemv_flops.items() if c in names and v}
     rates = DeviceRates(spec.name, float(spec.bandwidth_bytes_per_s), peaks,
-                        float(spec.launch_overhead_ns), int(spec.memory_bytes))
+                        float(spec.launch_overhead_ns), int(spec.memory_bytes), matvec)
     return DeviceInfo(rates, spec.title, dict(spec.sources))
+
+
+_PLAIN_FLOATS = frozenset({FormatKind.BF16, FormatKind.F16, FormatKind.F32})
+
+
+def in_dtype(circuit: Circuit, *, weights: Format | None = None,
+             activations: Format | None = None) -> Circuit:
+    """The circuit as a run in another dtype executes it: every weight stored in ``weights``
+    (``fuel plan --weights``, ``--dtype``) and every plain-float edge in ``activations``
+    (``--dtype``: the run computes every activation in its dtype). Quantized edges keep their
+    format. ``None`` keeps what the model states."""
+    if weights is not None:
+        nodes = tuple(replace(n, weight_format=weights) if n.weight_format is not None else n
+                      for n in circuit.nodes)
+        shape = replace(circuit.shape, weight_format=weights) if circuit.shape else None
+        circuit = replace(circuit, nodes=nodes, shape=shape)
+    if activations is not None:
+        edges = tuple(replace(e, format=activations) if e.format.kind in _PLAIN_FLOATS else e
+                      for e in circuit.edges)
+        circuit = replace(circuit, edges=edges)
+    return circuit
 
 
 def kv_format_for(policy: Policy, activation: Format = BF16) -> Format:
@@ -164,6 +192,17 @@ def _fused_edges(plan: FusionPlan):
             by_group.setdefault(state.group, set()).add(e)
     frozen = {g: frozenset(edges) for g, edges in by_group.items()}
     return lambda g: frozen.get(g, frozenset())
+
+
+def predict_step(circuit: Circuit, device: DeviceInfo, choice: RuleChoice, policy: Policy,
+                 mode: Mode, sequences: Sequence[SequenceRows], kv_format: Format = BF16
+                 ) -> StepEstimate | FuseError:
+    """The roofline of one step exactly as ``fuel plan`` prices it: the covering plan of
+    ``mode`` at the step's rows, costed for ``sequences`` (rows added, context after).
+    A mode with no plan at those rows is the :class:`FuseError` that says why."""
+    load = Workload(tuple(sequences), kv_format)
+    plan = _Planner(circuit, choice, policy).plan(mode, load.rows)
+    return plan if isinstance(plan, FuseError) else _estimate(circuit, plan, load, device.rates)
 
 
 def _estimate(circuit: Circuit, plan: FusionPlan, load: Workload, rates: DeviceRates) -> StepEstimate:

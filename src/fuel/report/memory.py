@@ -45,17 +45,17 @@ def _node_weight_bytes(circuit: Circuit, node) -> int:
     match kind:
         case OpKind.LINEAR | OpKind.LM_HEAD | OpKind.ROUTER:
             k, n = edges[node.inputs[0]].dim_value, edges[node.outputs[0]].dim_value
-            return fmt.bytes(n, k) + _bias_bytes(node, n)
+            return fmt.weight_bytes(n, k) + _bias_bytes(node, n)
         case OpKind.EXPERT_GATE_UP | OpKind.EXPERT_DOWN:
             experts, top_k = _dim(circuit, node, "experts"), _dim(circuit, node, "top_k")
             k, n = _expert_shape(circuit, node, top_k)
-            return experts * fmt.bytes(n, k)
+            return experts * fmt.weight_bytes(n, k)
         case OpKind.EMBED:
-            return fmt.bytes(_dim(circuit, node, "vocab"), edges[node.outputs[0]].dim_value)
+            return fmt.weight_bytes(_dim(circuit, node, "vocab"), edges[node.outputs[0]].dim_value)
         case OpKind.QK_NORM:
-            return len(node.bindings) * fmt.bytes(1, _dim(circuit, node, "head_dim"))
+            return len(node.bindings) * fmt.weight_bytes(1, _dim(circuit, node, "head_dim"))
         case OpKind.RMS_NORM | OpKind.FINAL_NORM:
-            return fmt.bytes(1, edges[node.outputs[0]].dim_value)
+            return fmt.weight_bytes(1, edges[node.outputs[0]].dim_value)
     return 0
 
 

@@ -12,7 +12,7 @@ The model (stated, because every number in the report follows from it):
   prefill of P tokens is one sequence of P rows at context P; verify of k rows is one sequence of
   k rows.
 - ``linear`` / ``lm_head`` / ``router``: ``2 * rows * in * out`` FLOPs; the weight in its stored
-  format (``Format.bytes(out, in)``, scales included) plus the activations.
+  format (``Format.weight_bytes(out, in)``, scales included) plus the activations.
 - ``paged_attention``: row ``j`` of a sequence adding ``k`` rows at context ``c`` attends
   ``c - k + j + 1`` positions (causal); FLOPs ``4 * q_heads * head_dim * positions`` (QK^T and
   PV); each pass over a sequence reads its whole cache, ``c * kv_bytes_per_token_per_layer``.
@@ -29,9 +29,11 @@ The model (stated, because every number in the report follows from it):
   per-row loop: each pass re-reads the weights and the cache of the sequences it touches, so
   weight bytes scale with the pass count and KV bytes with the passes per sequence. FLOPs and
   activation bytes are unchanged. ``once`` and ``per_run`` groups are one pass.
-- Matmul-like ops (linear, lm_head, router, experts, attention) run at the tensor peak of their
-  input's dtype (fp8 when the input edge is stored fp8, fp4 for nvfp4/mxfp4, else bf16);
-  element-wise ops at the fp32 (vector) peak. A missing peak is a :class:`MissingRate`.
+- Matmul-like ops (linear, lm_head, router, experts, attention) run at the matrix peak of their
+  input's dtype (fp8 when the input edge is stored fp8, fp4 for nvfp4/mxfp4, fp32 and fp16 for
+  f32 and f16 edges, else bf16); a one-row product per pass (decode) runs at the device's
+  measured matrix-vector rate where it has one (``cpu-local``). Element-wise ops at the fp32
+  (vector) peak. A missing peak is a :class:`MissingRate`.
 
 Invariants: every cost is finite and non-negative; the ceiling never includes launch overhead;
 the weight floor is the weight bytes read by a plan-free decode step of one row divided by the
@@ -95,6 +97,8 @@ class ComputeClass(Enum):
     """Which peak an op runs at."""
 
     VECTOR = "fp32"
+    TENSOR_FP32 = "fp32-matrix"
+    TENSOR_FP16 = "fp16"
     TENSOR_BF16 = "bf16"
     TENSOR_FP8 = "fp8"
     TENSOR_FP4 = "fp4"
@@ -111,11 +115,21 @@ class DeviceRates:
     peaks: Mapping[str, float]
     launch_overhead_ns: float
     memory_bytes: int
+    matvec_peaks: Mapping[str, float] = field(default_factory=dict)
+    """Measured one-row (matrix-vector) rates per compute class, where the device has them
+    (``cpu-local``); a one-row product runs at it instead of the dense peak."""
 
-    def peak(self, compute: ComputeClass) -> float:
+    def peak(self, compute: ComputeClass, *, matvec: bool = False) -> float:
+        if matvec:
+            rate = self.matvec_peaks.get(compute.value)
+            if rate is not None and math.isfinite(rate) and rate > 0:
+                return rate
         rate = self.peaks.get(compute.value)
-        # fp4 on a chip without fp4 units runs at its fp8 (or bf16) tensor rate after unpacking.
-        fallbacks = {"fp4": ("fp8", "bf16"), "fp8": ("bf16",)}.get(compute.value, ())
+        # fp4 on a chip without fp4 units runs at its fp8 (or bf16) tensor rate after unpacking;
+        # fp16 at the bf16 rate (datasheets quote them equal); an f32 product with no stated
+        # matrix peak at the vector rate.
+        fallbacks = {"fp4": ("fp8", "bf16"), "fp8": ("bf16",), "fp16": ("bf16",),
+                     "fp32-matrix": ("fp32",)}.get(compute.value, ())
         for name in fallbacks:
             if rate is not None and rate > 0:
                 break
@@ -179,6 +193,9 @@ class NodeWork:
     activation_bytes: float
     kv_bytes: float
     compute: ComputeClass
+    matvec: bool = False
+    """A one-row matrix product per pass (decode): priced at the measured matrix-vector rate
+    where the device has one."""
 
     @property
     def bytes(self) -> float:
@@ -187,7 +204,8 @@ class NodeWork:
     def time_ns(self, rates: DeviceRates) -> float:
         """The roofline time: the slower of moving the bytes and doing the FLOPs."""
         memory = self.bytes / rates.bandwidth * 1e9
-        compute = self.flops / rates.peak(self.compute) * 1e9 if self.flops else 0.0
+        compute = (self.flops / rates.peak(self.compute, matvec=self.matvec) * 1e9
+                   if self.flops else 0.0)
         return max(memory, compute)
 
 
@@ -235,6 +253,10 @@ def _compute_of(fmt: Format) -> ComputeClass:
         return ComputeClass.TENSOR_FP8
     if fmt.kind in (FormatKind.NVFP4, FormatKind.MXFP4):
         return ComputeClass.TENSOR_FP4
+    if fmt.kind is FormatKind.F32:
+        return ComputeClass.TENSOR_FP32
+    if fmt.kind is FormatKind.F16:
+        return ComputeClass.TENSOR_FP16
     return ComputeClass.TENSOR_BF16
 
 
@@ -288,6 +310,9 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
         return NodeWork(float(per_element * elements(edges)), 0.0, io_bytes(), 0.0,
                         ComputeClass.VECTOR)
 
+    def one_row_per_pass() -> bool:
+        return math.ceil(rows / max(passes, 1)) == 1
+
     def sequence_passes(seq: SequenceRows) -> int:
         # A per-row loop of `passes` launches over `rows` rows visits a sequence once per piece of
         # its rows; a single pass visits it once.
@@ -301,20 +326,20 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
         case OpKind.LINEAR | OpKind.LM_HEAD | OpKind.ROUTER:
             fmt = _weight_format(circuit, node)
             k, n = in_dim(), out_dim()
-            weight = fmt.bytes(n, k) + _bias_bytes(node, n)
+            weight = fmt.weight_bytes(n, k) + _bias_bytes(node, n)
             return NodeWork(2.0 * rows * k * n, float(weight * passes), io_bytes(), 0.0,
-                            input_compute())
+                            input_compute(), matvec=one_row_per_pass())
         case OpKind.EXPERT_GATE_UP | OpKind.EXPERT_DOWN:
             fmt = _weight_format(circuit, node)
             experts, top_k = _dim(circuit, node, "experts"), _dim(circuit, node, "top_k")
             k, n = _expert_shape(circuit, node, top_k)
             per_pass_tokens = max(1, math.ceil(rows / max(passes, 1)))
             touched = expected_distinct_experts(experts, top_k, per_pass_tokens) * passes
-            return NodeWork(2.0 * rows * top_k * k * n, touched * fmt.bytes(n, k), io_bytes(), 0.0,
-                            input_compute())
+            return NodeWork(2.0 * rows * top_k * k * n, touched * fmt.weight_bytes(n, k), io_bytes(), 0.0,
+                            input_compute(), matvec=one_row_per_pass())
         case OpKind.EMBED:
             fmt = _weight_format(circuit, node)
-            return NodeWork(0.0, float(fmt.bytes(rows, out_dim())), io_bytes(), 0.0,
+            return NodeWork(0.0, float(fmt.weight_bytes(rows, out_dim())), io_bytes(), 0.0,
                             ComputeClass.VECTOR)
         case OpKind.PAGED_ATTENTION:
             heads, head_dim = _dim(circuit, node, "q_heads"), _dim(circuit, node, "head_dim")
@@ -324,7 +349,8 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             kv = sum(sequence_passes(s) * min(s.context, window or s.context) * per_token
                      for s in workload.sequences)
             flops = 4.0 * heads * head_dim * positions
-            return NodeWork(flops, 0.0, io_bytes(), float(kv), ComputeClass.TENSOR_BF16)
+            return NodeWork(flops, 0.0, io_bytes(), float(kv), input_compute(),
+                            matvec=max(s.rows for s in workload.sequences) == 1)
         case OpKind.KV_WRITE:
             width = _dim(circuit, node, "kv_heads") * _dim(circuit, node, "head_dim")
             written = rows * kv_token_bytes(workload.kv_format, width)
@@ -332,7 +358,7 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
         case OpKind.RMS_NORM | OpKind.FINAL_NORM | OpKind.QK_NORM:
             fmt = _weight_format(circuit, node)
             gain_width = _dim(circuit, node, "head_dim") if kind is OpKind.QK_NORM else out_dim()
-            gain = len(node.bindings) * fmt.bytes(1, gain_width)
+            gain = len(node.bindings) * fmt.weight_bytes(1, gain_width)
             return NodeWork(float(_NORM_FLOPS * elements(node.outputs)), float(gain * passes),
                             io_bytes(), 0.0, ComputeClass.VECTOR)
         case OpKind.SILU_MUL | OpKind.GELU_TANH_MUL:

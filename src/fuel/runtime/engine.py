@@ -106,6 +106,8 @@ class EngineStats:
     # measures compilation, not decoding.
     builds: Counter = field(default_factory=Counter)
     build_s: Counter = field(default_factory=Counter)
+    routes: Counter = field(default_factory=Counter)
+    """Per (mode, branch, arm taken, device, the picker's reason): steps that took it."""
 
     def record(self, mode: Mode, program: StepProgram) -> None:
         self.steps[mode.value] += 1
@@ -113,10 +115,14 @@ class EngineStats:
         self.launches[mode.value] += program.launches
         self.dispatched[mode.value] += program.dispatched
         self.digests.setdefault(program.digest, f"{mode.value} rows={program.step.plan.rows}")
+        for choice in program.last_route.choices if program.last_route is not None else ():
+            arm = next((a for a in choice.arms if a.arm == choice.arm), None)
+            where = str(arm.device) if arm is not None and arm.device is not None else "?"
+            self.routes[(mode.value, choice.branch, choice.arm, where, choice.reason)] += 1
 
     def reset(self) -> None:
         for counter in (self.steps, self.rows, self.launches, self.dispatched, self.builds,
-                        self.build_s):
+                        self.build_s, self.routes):
             counter.clear()
         self.digests.clear()
 

@@ -231,7 +231,9 @@ def compile_program(graph: Graph, lowered: Lowered, table: KernelBindingTable,
         elif isinstance(op, Prim | Fused):
             reads = tuple(same.get(r, r) for r in lowered.reads[node_id])
             dtypes = tuple(graph.node(i).dtype for i in reads) + (node.dtype,)
-            entry = table.lookup(op_key(op), dtypes, backend, required_caps(node))
+            # A node stamped for another backend (a placement arm on the route) runs there.
+            node_backend = graph.target_backend.get(node_id, backend)
+            entry = table.lookup(op_key(op), dtypes, node_backend, required_caps(node))
             kernels.append(entry.kernel(node))
             steps.append((node_id, reads))
         else:

@@ -185,6 +185,7 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
         "steps": per_step,
         "plan_digests": dict(sorted(stats.digests.items(), key=lambda item: item[1])),
         "bake_decisions": bakes,
+        "routes": route_report(stats),
         "jit": _jit_report(model),
     }
     if speculate:
@@ -194,6 +195,14 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
                                  "accepted": accepted,
                                  "acceptance_rate": round(accepted / proposed, 4) if proposed else None}
     return result
+
+
+def route_report(stats: Any) -> list[dict[str, Any]]:
+    """The routes the picker took at live (placement) branches: per mode, branch and arm, the
+    device it ran on, the picker's reason, and how many steps took it."""
+    return [{"mode": mode, "branch": branch, "arm": arm, "device": device, "reason": reason,
+             "steps": count}
+            for (mode, branch, arm, device, reason), count in sorted(stats.routes.items())]
 
 
 def _jit_report(model: Model) -> dict[str, Any]:

@@ -10,12 +10,19 @@ With a JIT session (:class:`ProgramOptions`), between lowering and the bake: the
 kernels for the step's unrunnable fused nodes (requests from this very graph), ``offer_arms``
 branches each adopted kernel against its recipe, the session measures every arm node the Judge
 has no cell for on probe feeds of this step (:func:`probe_feeds`), and ``bake_offered`` bakes
-on the refreshed Judge. Adoption happens before the program is compiled, so the engine's
+on the refreshed Judge. The session's per-shape gate rides the options: a kernel adoption refused
+at this step's shapes (wrong there, or slower) is not offered here, and the offer says why. Adoption happens before the program is compiled, so the engine's
 per-digest program cache never holds a program built without it.
+
+A graph that keeps live branches (placement arms: a heavy node that another device can run too)
+gets a route picker (:mod:`fuel.runtime.route_picker`): each :meth:`StepProgram.run` resolves
+the route from live signals (free memory, load) and runs the program compiled for that route
+(one per route taken, compiled the first time it is taken); ``last_route`` says which arms ran
+and why.
 
 Invariants:
 - A program is built once per (plan digest, step geometry) and reused; building never happens
-  inside a step.
+  inside a step (except a route's program, compiled the first time the picker takes it).
 - Derived weights (concatenated projections, RoPE tables) are built once per
   :class:`WeightStore` and shared by every program of an engine; checkpoint tensors are bound
   as they are (no copy).
@@ -31,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from fuel.graph.branch import lower as lower_order
 from fuel.graph.dtype import BackendId, Device
-from fuel.graph.ir import Fused, Input, Prim
+from fuel.graph.ir import Fused, Input
 from fuel.graph.registry import RUNTIME_FUSED_BASE, fused_name
 from fuel.runtime.lower import (
     POSITIONS, SLOTS, TOKENS, DerivedKind, DerivedWeight, StepGraph, block_table_input,
@@ -111,6 +118,12 @@ class StepProgram:
     program: Any
     logits_root: int
     tokens_root: int
+    routing: Any = None
+    """For a graph that keeps live branches (placement arms): a :class:`_Routing` that resolves
+    them per step through the route picker with live signals; None when nothing is live."""
+    last_route: Any = None
+    """The :class:`~fuel.runtime.route_picker.Route` the latest :meth:`run` took (None: no
+    live branch)."""
 
     @property
     def digest(self) -> str:
@@ -133,7 +146,11 @@ class StepProgram:
                            len(self.optimized.jit_requests))
 
     def run(self, feeds: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.program.run(feeds)
+        program = self.program
+        if self.routing is not None:
+            self.last_route = self.routing.picker.route(self.routing.signals)
+            program = self.routing.program_for(self.last_route.arms)
+        out = program.run(feeds)
         return out[self.logits_root], out[self.tokens_root]
 
     def runtime_fused_executed(self) -> int:
@@ -168,10 +185,31 @@ class StepProgram:
 @dataclass(frozen=True)
 class ProgramOptions:
     """How :func:`build_program` optimizes: ``optimize`` as given, and with ``jit`` a session
-    that adopts kernels for the step and measures the offered arms before the bake."""
+    that adopts kernels for the step and measures the offered arms before the bake.
+    ``signals`` (a :class:`~fuel.runtime.route_picker.SignalProvider`; default: the system's)
+    and ``route_specs`` (a device spec per device, to price arms) feed the route picker of a
+    program whose graph keeps placement branches."""
 
     optimize: OptimizeOptions
     jit: JitSession | None = field(default=None, compare=False)
+    signals: Any = field(default=None, compare=False)
+    route_specs: Mapping[Any, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass
+class _Routing:
+    """The route picker of one program and a compiled program per route it has taken."""
+
+    picker: Any
+    signals: Any
+    compile: Any
+    programs: dict[tuple, Any] = field(default_factory=dict)
+
+    def program_for(self, arms: Mapping[int, int]) -> Any:
+        key = tuple(sorted(arms.items()))
+        if key not in self.programs:
+            self.programs[key] = self.compile(arms)
+        return self.programs[key]
 
 
 def probe_feeds(step: StepGraph, dtype: Any, seed: int = 0) -> dict[str, Any]:
@@ -219,7 +257,9 @@ def _optimize_with_jit(step: StepGraph, store: WeightStore, table: KernelBinding
     from fuel.optimize.optimize import bake_offered, offer_arms
 
     session.adopt_for(step.graph, step.roots)
-    options = replace(options, table=table, runtime=session.registry)
+    # The gate: an adopted kernel is offered only at shapes it was verified and gated at.
+    options = replace(options, table=table, runtime=session.registry,
+                      runtime_gate=session.gate())
     offered = offer_arms(step.graph, step.roots, options)
     branches = offered.branches()
     if branches:
@@ -235,8 +275,9 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
 
     for spec in step.derived:
         store.derive(spec)
-    session = None
+    session, routed = None, None
     if isinstance(options, ProgramOptions):
+        routed = options
         options, session = options.optimize, options.jit
     options = options or OptimizeOptions(table=table)
     if session is not None:
@@ -244,22 +285,39 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
     else:
         optimized = optimize_graph(step.graph, step.roots, options)
     logits_root, tokens_root = optimized.roots
-    lowered = lower_order(step.graph, optimized.roots, optimized.route)
     backend = options.device.backend if options.device else BackendId.CPU
-    program = compile_program(step.graph, lowered, table, backend, store, Device(backend))
-    return StepProgram(step, optimized, program, logits_root, tokens_root)
+
+    def compile_route(route: Mapping[int, int]):
+        lowered = lower_order(step.graph, optimized.roots, route)
+        return compile_program(step.graph, lowered, table, backend, store, Device(backend))
+
+    program = compile_route(optimized.route)
+    return StepProgram(step, optimized, program, logits_root, tokens_root,
+                       _routing(step, optimized, options, routed, compile_route))
 
 
-def dispatch_census(program: StepProgram) -> dict[str, int]:
-    """Kernel calls per op name in a program's dispatch order (for reports and tests)."""
-    graph = program.step.graph
-    counts: dict[str, int] = {}
-    for node_id in program.program.executed:
-        op = graph.node(node_id).op
-        name = op.kind.value if isinstance(op, Prim) else str(op) if isinstance(op, Fused) else "?"
-        counts[name] = counts.get(name, 0) + 1
-    return dict(sorted(counts.items()))
+def _routing(step: StepGraph, optimized: OptimizedGraph, options: OptimizeOptions,
+             routed: ProgramOptions | None, compile_route) -> _Routing | None:
+    """The route picker for a graph that keeps live branches (placement arms), else None."""
+    live = optimized.live_branches()
+    if not live:
+        return None
+    from fuel.optimize.variant_bake import arm_location
+    from fuel.runtime.route_picker import PickerPricing, RoutePicker, SystemSignals
+
+    graph = step.graph
+    devices = [options.device]
+    for decision in live:
+        devices += [arm_location(graph, e) for e in graph.node(decision.branch).inputs]
+    specs = dict(routed.route_specs) if routed is not None else {}
+    if options.device_spec is not None:
+        specs.setdefault(options.device, options.device_spec)
+    pricing = PickerPricing(specs, options.table, options.judge, options.symbols)
+    picker = RoutePicker(optimized, graph, [d for d in devices if d is not None], pricing)
+    signals = routed.signals if routed is not None and routed.signals is not None \
+        else SystemSignals()
+    return _Routing(picker, signals, compile_route)
 
 
 __all__ = ["BakeSummary", "ProgramOptions", "StepProgram", "WeightStore", "build_program",
-           "dispatch_census", "probe_feeds"]
+           "probe_feeds"]
