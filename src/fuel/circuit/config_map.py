@@ -463,13 +463,10 @@ def _rest(rule: KeyRule) -> tuple[Any, ...]:
 
 def load_config(path: str | Path) -> dict[str, Any]:
     """Read a config.json; a missing or malformed file is a :class:`ConfigRefused` naming it."""
+    from fuel.inputs import load_json
+
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ConfigRefused(str(path), None, f"cannot read: {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
-        raise ConfigRefused(str(path), None, f"not valid JSON: {error}") from None
+    data = load_json(path, lambda detail: ConfigRefused(str(path), None, detail))
     if not isinstance(data, dict):
         raise ConfigRefused(str(path), None, "a config.json is a JSON object")
     return data

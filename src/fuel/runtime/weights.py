@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fuel.errors import FuelError, InputError
+from fuel.inputs import load_json
 from fuel.runtime.gguf_loader import CorruptWeightsFile, WeightsFileMissing
 
 if TYPE_CHECKING:
@@ -303,10 +304,7 @@ def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> W
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise WeightsFileMissing(str(config_path), "config.json in the checkpoint folder")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CorruptWeightsFile(str(config_path), f"not valid JSON ({error})") from error
+    config = load_json(config_path, lambda detail: CorruptWeightsFile(str(config_path), detail))
     if not isinstance(config, dict):
         raise CorruptWeightsFile(str(config_path), "top level is not a JSON object")
 
@@ -326,10 +324,10 @@ def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> W
 def _shards(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise CorruptWeightsFile(str(index), f"no readable `weight_map` ({error})") from error
+        document = load_json(index, lambda detail: CorruptWeightsFile(str(index), detail))
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CorruptWeightsFile(str(index), "no `weight_map` object of tensor name -> shard file")
         shards = [folder / name for name in sorted(set(weight_map.values()))]
         for shard in shards:
             if not shard.is_file():
