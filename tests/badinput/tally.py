@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         shared = make_shared(Path(tmp) / "shared")
         counts: Counter[str] = Counter()
+        times: list[tuple[float, str]] = []
         started = time.perf_counter()
         for i, case in enumerate(CASES):
             if only and only not in case.id:
@@ -40,6 +41,7 @@ def main(argv: list[str]) -> int:
             if case.id in hazards:
                 counts["hazard (not run)"] += 1
                 continue
+            t0 = time.perf_counter()
             signal.signal(signal.SIGALRM, _hang)
             signal.alarm(limit)
             try:
@@ -48,10 +50,14 @@ def main(argv: list[str]) -> int:
                 outcome = Outcome("hang", f"still running after {limit} s", "")
             finally:
                 signal.alarm(0)
+            times.append((time.perf_counter() - t0, case.id))
             group = "needs-config-validation " if case.id in NEEDS_CONFIG_VALIDATION else ""
             counts[group + outcome.kind] += 1
             if outcome.kind in show:
                 print(f"{outcome.kind:9} {case.id}: {outcome.detail} | {outcome.stderr.strip()[:300]!r}")
+        if "--slow" in argv:
+            for seconds, name in sorted(times, reverse=True)[: int(argv[argv.index("--slow") + 1])]:
+                print(f"{seconds:6.2f} s  {name}")
         print(f"{sum(counts.values())} cases in {time.perf_counter() - started:.1f} s:",
               ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     return 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 
 import typer
+import typer.main
 from rich.console import Console
 from rich.markup import escape
 
@@ -122,11 +123,24 @@ def _report(error: FuelError) -> int:
     return 2
 
 
+_built: dict[tuple[int, int], object] = {}
+
+
+def _command():
+    """The click command typer builds from ``app`` (built once per set of registered commands:
+    building it costs ~0.1 s, which every in-process call would otherwise pay)."""
+    key = (len(app.registered_commands), len(app.registered_groups))
+    if key not in _built:
+        _built.clear()
+        _built[key] = typer.main.get_command(app)
+    return _built[key]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the exit status (the console script exits with it)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        app(args=args, standalone_mode=False)
+        _command().main(args=args, prog_name="fuel", standalone_mode=False)
     except FuelError as error:
         return _report(error)
     except typer.Exit as done:

@@ -81,7 +81,8 @@ def show_command(
     plan_mode, plan_rows, row_table = plan_request(mode, rows, table)
     rule_set, label = load_rule_set(rules)
     policy = build_policy(parse_assignments(settings or []), levers or [])
-    check_levers(levers or [], [rule_set, *(load_builtin_rules(n) for n in BUILTIN_RULE_SETS)])
+    if levers:
+        check_levers(levers, [rule_set, *(load_builtin_rules(n) for n in BUILTIN_RULE_SETS)])
     built = resolve_circuit(model, circuit, config)
     available = AvailableKernels.all_named_by(rule_set)
     if explain_plan:

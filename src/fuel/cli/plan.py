@@ -72,7 +72,8 @@ def plan_command(
     circ = resolve_circuit(model, circuit, config)
     policy = build_policy(parse_assignments(settings), levers)
     choice = rule_set_for(spec.title, spec.kind.value)
-    check_levers(levers, [choice.rules, *(load_builtin_rules(n) for n in BUILTIN_RULE_SETS)])
+    if levers:
+        check_levers(levers, [choice.rules, *(load_builtin_rules(n) for n in BUILTIN_RULE_SETS)])
     options = ReportOptions(context=context, kv_format=kv_format_for(policy), tables=tables,
                             serve=tuple(modes))
     name = model if model is not None else str(config)
