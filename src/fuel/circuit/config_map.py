@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -225,14 +224,15 @@ def _key_rule(file: str, key: str, raw: Any) -> KeyRule:
 
 def load_config_map(path: str | Path) -> ConfigMap:
     """Load and validate one config map file."""
+    from fuel.inputs import parse_toml, read_text
+
     path = Path(path)
     file = str(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise _fail(file, "", f"cannot read: {error.strerror or error}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise _fail(file, "", f"not valid TOML: {error}") from None
+
+    def fail(detail: str) -> ConfigMapError:
+        return _fail(file, "", detail)
+
+    raw = parse_toml(read_text(path, fail), fail)
     allowed = {"schema", "arch", "description", "model_types", "follow", "outer", "layers",
                "layer_kinds", "dims", "params", "keys"}
     for name in sorted(raw):
