@@ -79,28 +79,26 @@ def read_text(path: Path, fail: Fail) -> str:
     return decode_utf8(read_bytes(path, fail), fail)
 
 
-def parse_json(text: str, fail: Fail) -> Any:
+def _parse(loads: Callable[[str], Any], syntax_error: type[Exception], kind: str, text: str,
+           fail: Fail) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        return _raise(fail(f"not valid JSON: {error}"))
+        return loads(text)
+    except syntax_error as error:
+        return _raise(fail(f"not valid {kind}: {error}"))
     except RecursionError:
-        return _raise(fail("not valid JSON: nested too deeply"))
+        return _raise(fail(f"not valid {kind}: nested too deeply"))
     except MemoryError:
-        return _raise(fail("not valid JSON: too large to parse"))
+        return _raise(fail(f"not valid {kind}: too large to parse"))
+
+
+def parse_json(text: str, fail: Fail) -> Any:
+    return _parse(json.loads, json.JSONDecodeError, "JSON", text, fail)
 
 
 def parse_toml(text: str, fail: Fail) -> Any:
     import tomllib
 
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        return _raise(fail(f"not valid TOML: {error}"))
-    except RecursionError:
-        return _raise(fail("not valid TOML: nested too deeply"))
-    except MemoryError:
-        return _raise(fail("not valid TOML: too large to parse"))
+    return _parse(tomllib.loads, tomllib.TOMLDecodeError, "TOML", text, fail)
 
 
 def load_json(path: Path, fail: Fail) -> Any:

@@ -51,11 +51,13 @@ class CacheCorrupt(FuelError):
         super().__init__(f"{where}: cache is damaged ({detail}); not used")
 
 
-def file_digest(path: Path) -> str:
-    """The ``xxh3_128`` hex digest of a file's bytes."""
-    import xxhash
+def file_digest(path: Path, digest=None) -> str:
+    """The hex digest of a file's bytes: ``xxh3_128`` unless a hashlib-style ``digest`` object
+    is given."""
+    if digest is None:
+        import xxhash
 
-    digest = xxhash.xxh3_128()
+        digest = xxhash.xxh3_128()
     with path.open("rb") as stream:
         while chunk := stream.read(_CHUNK):
             digest.update(chunk)

