@@ -1,7 +1,8 @@
 """Runs one corpus case through the real CLI in-process and classifies what happened.
 
 Decides the outcome kinds: ``clean`` (exit 2, exactly one stderr line that starts with
-``error:`` and matches the case's regex, no traceback, nothing written), ``traceback`` (an
+``error:`` and matches the case's regex, no traceback, nothing written, nothing printed on
+stdout), ``traceback`` (an
 exception escaped ``fuel.cli.app.main``), ``accepted`` (exit 0: bad input taken as good) and
 ``unclean`` (any other failure of those rules, with the reason).
 
@@ -148,6 +149,8 @@ def run_case(case: Case, folder: Path, shared: dict[str, Path]) -> Outcome:
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     if changed:
         problems.append(f"wrote {', '.join(changed[:4])}")
+    if out.getvalue().strip():  # e.g. `fuel run` echoing the prompt it then refuses
+        problems.append(f"printed on stdout: {out.getvalue().strip()[:80]!r}")
     if problems:
         return Outcome("unclean", "; ".join(problems), text)
     return Outcome("clean", "", text)

@@ -5,6 +5,7 @@ import or an export changes nothing and leaves no 0-byte file, concurrent writer
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import asdict
@@ -120,3 +121,25 @@ def test_concurrent_judge_writers_lose_nothing_through_the_cli(tmp_path):
     assert [p.wait(300) for p in procs] == [0, 0, 0], [p.stderr.read() for p in procs]
     with JudgeStore.open(store) as judge:
         assert judge.count() == 600
+
+
+_FAKE_PROBE = {
+    "fp32_flops": 1e9, "bf16_flops": 2e9, "fp16_flops": 3e9, "vector_flops": 4e9,
+    "bandwidth_bytes_per_s": 5e9, "launch_overhead_ns": 6, "memory_bytes": 7, "torch_threads": 1,
+    "cache_bytes": 8, "cache_bandwidth_bytes_per_s": 9e9, "cache_note": "fake",
+}
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_probe_that_cannot_be_cached_is_still_used(fault, small_fs, monkeypatch):
+    from fuel.cost import probe
+
+    monkeypatch.setenv("FUEL_CACHE_DIR", str(small_fs.path))
+    monkeypatch.setattr(probe, "measure_cpu_local", lambda: dict(_FAKE_PROBE))
+    if fault == "read-only":
+        small_fs.make_read_only()
+    with small_fs.full() if fault == "full" else contextlib.nullcontext():
+        with pytest.warns(UserWarning, match="probe not cached"):
+            spec = probe.cpu_local_spec(reprobe=True)
+    assert spec.bandwidth_bytes_per_s == 5e9
+    assert [p.name for p in small_fs.path.rglob("*") if p.name != ".filler" and p.is_file()] == []
