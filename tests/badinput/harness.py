@@ -101,17 +101,15 @@ def no_real_work():
 
 
 def run_case(case: Case, folder: Path, shared: dict[str, Path]) -> Outcome:
-    from fuel.cli.app import err_console, main
+    from fuel.cli.app import main
 
     argv = prepare(case, folder, shared)
     before = snapshot(folder)
     out, err = io.StringIO(), io.StringIO()
     saved_env = os.environ.get("FUEL_CACHE_DIR")
     saved_cwd = os.getcwd()
-    saved_file = err_console.file
     os.environ["FUEL_CACHE_DIR"] = str(folder / "cache")
     os.chdir(folder)
-    err_console.file = err
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), no_real_work():
             try:
@@ -124,7 +122,6 @@ def run_case(case: Case, folder: Path, shared: dict[str, Path]) -> Outcome:
                 return Outcome("traceback", traceback.format_exc(limit=-3).strip().splitlines()[-1],
                                err.getvalue())
     finally:
-        err_console.file = saved_file
         os.chdir(saved_cwd)
         if saved_env is None:
             os.environ.pop("FUEL_CACHE_DIR", None)
