@@ -134,7 +134,8 @@ def test_tiny_gguf_conversion_round_trips_through_the_cache(tiny_gguf, tmp_path)
     assert weights["lm_head.weight"] is weights["model.embed_tokens.weight"]
     assert "lm_head.weight" in weights and "lm_head.weight" not in list(weights)
     files = sorted(path.name for path in weights.source.folder.iterdir())
-    assert files == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert files == ["INTEGRITY.json", "config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json"]
 
 
 def test_untied_gguf_keeps_its_own_output_matrix(tmp_path, make_tiny_gguf):

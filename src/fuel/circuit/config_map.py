@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -280,14 +279,15 @@ def _rope_rule(file: str, raw: Any) -> RopeRule:
 
 def load_config_map(path: str | Path) -> ConfigMap:
     """Load and validate one config map file."""
+    from fuel.inputs import parse_toml, read_text
+
     path = Path(path)
     file = str(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise _fail(file, "", f"cannot read: {error.strerror or error}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise _fail(file, "", f"not valid TOML: {error}") from None
+
+    def fail(detail: str) -> ConfigMapError:
+        return _fail(file, "", detail)
+
+    raw = parse_toml(read_text(path, fail), fail)
     allowed = {"schema", "arch", "description", "model_types", "follow", "outer", "layers",
                "layer_kinds", "dims", "params", "keys", "spellings", "rope"}
     for name in sorted(raw):
@@ -661,15 +661,10 @@ def shape_from_config(config: Mapping[str, Any], source: str | None = None,
 
 def load_config(path: str | Path) -> dict[str, Any]:
     """Read a config.json; a missing or malformed file is a :class:`ConfigRefused` naming it."""
+    from fuel.inputs import load_json
+
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ConfigRefused(str(path), None, f"cannot read: {error.strerror or error}") from None
-    except ValueError as error:  # malformed JSON, bad UTF-8, an integer of 4,300+ digits
-        raise ConfigRefused(str(path), None, f"not valid JSON: {error}") from None
-    except RecursionError:
-        raise ConfigRefused(str(path), None, "not valid JSON: nested too deeply") from None
+    data = load_json(path, lambda detail: ConfigRefused(str(path), None, detail))
     if not isinstance(data, dict):
         raise ConfigRefused(str(path), None, "a config.json is a JSON object")
     return data

@@ -78,6 +78,9 @@ class MissingParam(InstantiateError):
 
     def __init__(self, file: str, key: str, param: str, detail: str):
         self.param = param
+        self.value: str | None = None
+        """For a variant with no case for the shape's value: that value (else None)."""
+        self.cases: tuple[str, ...] = ()
         super().__init__(file, key, detail)
 
 
@@ -113,8 +116,10 @@ class _Builder:
         name = variant.template_for(value)
         if name is None:
             cases = ", ".join(c for c, _ in variant.cases)
-            raise MissingParam(self.template.file, f"variant.{slot}.cases", variant.param,
-                               f"no case for {variant.param} = `{value}` (cases: {cases})")
+            error = MissingParam(self.template.file, f"variant.{slot}.cases", variant.param,
+                                 f"no case for {variant.param} = `{value}` (cases: {cases})")
+            error.value, error.cases = value, tuple(c for c, _ in variant.cases)
+            raise error
         block = self.template.block(name)
         assert block is not None
         return block

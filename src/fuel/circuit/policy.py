@@ -6,11 +6,14 @@ default, overridden by ``--set key=value``, plus the opted-in levers. The fuser 
 edge.
 
 Invariants: a setting is overridden only if documented, and only with one of its listed values
-when it lists them; the error names where the override came from, the key and the value.
+when it lists them (``row_tiers``: ascending positive ASCII integers, at most
+:data:`MAX_ROW_TIER`); a lever is opted in only if a rule set names it; the error names where
+the override came from, the key and the value.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +21,9 @@ from pathlib import Path
 
 from fuel.circuit.fuser import Policy
 from fuel.errors import InputError
+
+MAX_ROW_TIER = 1 << 20
+"""The largest row tier ``--set row_tiers=...`` may name."""
 
 POLICY_FILE = Path(__file__).resolve().parent.parent / "data" / "rules" / "policy.toml"
 
@@ -63,6 +69,32 @@ def parse_assignments(items: Iterable[str], source: str = "--set") -> dict[str, 
     return out
 
 
+def _row_tiers(value: str) -> str | None:
+    parts = value.split(",")
+    if not all(re.fullmatch(r"[0-9]+", part.strip(), re.ASCII) for part in parts):
+        return "expected comma-separated ASCII integers, e.g. 1,2,4,8"
+    tiers = [int(part) for part in parts]
+    if tiers[0] < 1 or tiers[-1] > MAX_ROW_TIER:
+        return f"every tier is from 1 to {MAX_ROW_TIER}"
+    if any(a >= b for a, b in zip(tiers, tiers[1:])):
+        return "tiers must be strictly ascending"
+    return None
+
+
+_VALUE_CHECKS = {"row_tiers": _row_tiers}
+
+
+def check_levers(levers: Iterable[str], rule_sets: Iterable[object], source: str = "--lever") -> None:
+    """Refuse a lever no rule set names (a typo would otherwise opt in nothing, silently)."""
+    known = sorted({rule.numerics.lever for rules in rule_sets if rules is not None for rule in rules
+                    if rule.numerics.lever})
+    for lever in levers:
+        if lever not in known:
+            listed = ", ".join(known) if known else "none"
+            raise InputError("command line", source,
+                             f"`{lever}` is not a lever of the rule sets (levers: {listed})")
+
+
 def build_policy(overrides: Mapping[str, str] | None = None, levers: Iterable[str] = (),
                  settings: tuple[PolicySetting, ...] | None = None, source: str = "--set") -> Policy:
     """Every documented setting at its default, with ``overrides`` applied, and ``levers``."""
@@ -74,5 +106,10 @@ def build_policy(overrides: Mapping[str, str] | None = None, levers: Iterable[st
             raise InputError(source, key, f"unknown policy setting (documented: {', '.join(sorted(known))})")
         if setting.values is not None and value not in setting.values:
             raise InputError(source, key, f"`{value}` is not one of {', '.join(setting.values)}")
+        check = _VALUE_CHECKS.get(key)
+        if check is not None:
+            problem = check(value)
+            if problem is not None:
+                raise InputError(source, key, f"`{value}`: {problem}")
         values[key] = value
     return Policy(opt_in_levers=frozenset(levers), settings=values)

@@ -244,11 +244,10 @@ def rules_digest(data: bytes | str) -> str:
 
 def load_rules(path: str | Path) -> RuleSet:
     """Load a rule file. Raises :class:`RuleError` naming file, rule and field."""
+    from fuel.inputs import read_bytes
+
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as error:
-        raise RuleError(str(path), None, None, f"cannot read rule file ({error.strerror})") from None
+    raw = read_bytes(path, lambda detail: RuleError(str(path), None, None, detail))
     return parse_rules(raw, str(path))
 
 
@@ -270,11 +269,13 @@ def load_builtin_rules(name: str) -> RuleSet:
 
 def parse_rules(data: bytes | str, file: str = "<rules>") -> RuleSet:
     """Parse rule-file text into a :class:`RuleSet` (rules in file order)."""
-    raw = data.encode() if isinstance(data, str) else data
-    try:
-        doc = tomllib.loads(raw.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise RuleError(file, None, None, f"not valid TOML: {error}") from None
+    from fuel.inputs import decode_utf8, parse_toml
+
+    def fail(detail: str) -> RuleError:
+        return RuleError(file, None, None, detail)
+
+    text = data if isinstance(data, str) else decode_utf8(data, fail)
+    doc = parse_toml(text, fail)
     _only_keys(doc, {"schema", "rule"}, file, None, "")
     if doc.get("schema") != SCHEMA:
         raise RuleError(file, None, "schema", f"schema is {doc.get('schema')!r}; this build reads {SCHEMA}")
@@ -293,7 +294,7 @@ def parse_rules(data: bytes | str, file: str = "<rules>") -> RuleSet:
             raise RuleError(file, rule_id, "id", "duplicate rule id")
         seen.add(rule_id)
         rules.append(_RuleReader(file, rule_id, entry).read())
-    return RuleSet(tuple(rules), file, rules_digest(raw))
+    return RuleSet(tuple(rules), file, rules_digest(data))
 
 
 _RULE_KEYS = {"id", "pattern", "kernels", "repeat", "copies", "emitter", "rows", "modes", "requires",

@@ -12,17 +12,26 @@ Invariants:
 - A row table has at least one run; every run has ``k >= 1`` and ``n >= 1``; adjacent runs
   differ in ``k`` (runs are maximal); a one-sequence run is never contiguous (it must carry ``!``).
 - ``RowTable.parse(table.text()) == table``.
+- ``k`` and ``n`` are written in ASCII digits (``str.isdigit`` also accepts superscripts and
+  other scripts' digits, which ``int`` then refuses or reads as another number) and are at
+  most :data:`MAX_RUN`; anything else is a :class:`RowTableError`, never another exception.
 - ``resolve_runs`` gives each run the first selector (file order) that serves it, or ``None``
   when some run has none: a per-run rule applies only when every run is served.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from fuel.errors import FuelError
+
+MAX_RUN = 1 << 16
+"""The largest ``k`` or ``n`` of a run (far above any verify batch)."""
+
+_RUN = re.compile(r"([0-9]+)x([0-9]+)(!?)", re.ASCII)
 
 UNCARRIED = "uncarried: "
 """Text prefix of a table whose verify does not carry state."""
@@ -77,11 +86,14 @@ class RowTable:
             body = body[len(UNCARRIED.strip()):]
         runs = []
         for token in body.split():
-            contiguous = not token.endswith("!")
-            k, sep, n = token.removesuffix("!").partition("x")
-            if not sep or not k.isdigit() or not n.isdigit():
-                raise RowTableError(text, f"`{token}` is not `<k>x<n>` (`!` marks a fragmented run)")
-            runs.append(VerifyRun(int(k), int(n), contiguous))
+            match = _RUN.fullmatch(token)
+            if match is None:
+                raise RowTableError(text, f"`{token}` is not `<k>x<n>` in ASCII digits (`!` marks "
+                                          "a fragmented run)")
+            k, n = int(match[1]), int(match[2])
+            if k > MAX_RUN or n > MAX_RUN:
+                raise RowTableError(text, f"`{token}`: k and n are at most {MAX_RUN}")
+            runs.append(VerifyRun(k, n, not match[3]))
         return cls(tuple(runs), carried)
 
     @classmethod

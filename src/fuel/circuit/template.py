@@ -223,14 +223,12 @@ class _Reader:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_bytes()
-    except OSError as error:
-        raise CircuitLoadError(str(path), None, f"cannot read: {error.strerror or error}") from None
-    try:
-        return tomllib.loads(text.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise CircuitLoadError(str(path), None, f"not valid TOML: {error}") from None
+    from fuel.inputs import parse_toml, read_text
+
+    def fail(detail: str) -> CircuitLoadError:
+        return CircuitLoadError(str(path), None, detail)
+
+    return parse_toml(read_text(path, fail), fail)
 
 
 # --------------------------------------------------------------------------- blocks

@@ -9,7 +9,9 @@ Loading functions read the package's data files; the estimate is a pure function
 
 from __future__ import annotations
 
+import json
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -91,6 +93,24 @@ def builtin_circuit(arch: str) -> CircuitTemplate:
 def circuit_for(shape: ArchShape, *, draft: bool = True) -> Circuit:
     """The built-in circuit of ``shape``'s arch, instantiated for it."""
     return instantiate(builtin_circuit(shape.arch), shape, draft=draft)
+
+
+def circuit_for_config(config: Mapping[str, Any], source: str, *, draft: bool = True) -> Circuit:
+    """The built-in circuit of a user's config.json (``source`` names it). A config value the
+    built-in circuit has no case for (``tie_word_embeddings = "yes"``) is reported against the
+    user's file and key, not the built-in circuit file."""
+    from fuel.circuit.instantiate import MissingParam
+    from fuel.errors import InputError
+
+    shape = shape_from_config(config, source)
+    try:
+        return circuit_for(shape, draft=draft)
+    except MissingParam as error:
+        if error.value is None or error.param not in config:
+            raise
+        raise InputError(source, error.param,
+                         f"{json.dumps(config[error.param])} is not one of the values fuel "
+                         f"models ({', '.join(error.cases)})") from None
 
 
 def load(name: str, *, draft: bool = True) -> Circuit:

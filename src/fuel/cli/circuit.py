@@ -35,16 +35,21 @@ def resolve_circuit(model: str | None, circuit_file: Path | None, config_file: P
     """A zoo model name, or a config.json, instantiated with a circuit file or the built-in
     circuit of its arch. Exactly one of ``model`` and ``config_file``."""
     from fuel.circuit import zoo
-    from fuel.circuit.config_map import shape_from_file
+    from fuel.circuit.config_map import load_config, shape_from_config
     from fuel.circuit.instantiate import instantiate
     from fuel.circuit.template import load_circuit
 
     if (model is None) == (config_file is None):
         raise InputError("command line", "MODEL | --config",
                          "name a zoo model or pass --config PATH (exactly one)")
-    shape = zoo.shape(model) if model is not None else shape_from_file(config_file)
     if circuit_file is None:
-        return zoo.circuit_for(shape, draft=draft)
+        if model is not None:
+            return zoo.circuit_for(zoo.shape(model), draft=draft)
+        return zoo.circuit_for_config(load_config(config_file), str(config_file), draft=draft)
+    if model is not None:
+        shape = zoo.shape(model)
+    else:
+        shape = shape_from_config(load_config(config_file), str(config_file))
     return instantiate(load_circuit(circuit_file), shape, draft=draft)
 
 

@@ -17,6 +17,9 @@ import typer
 from fuel.cli.circuit import CircuitOpt, ConfigOpt, JsonOpt, ModelArg, circuit_app, resolve_circuit
 from fuel.errors import InputError
 
+MAX_ROWS = 1 << 20
+"""The most rows ``--rows`` may ask a plan for (far above any step)."""
+
 
 def load_rule_set(rules: str):
     """A built-in rule set by name (``cpu``, ``cuda``) or a rule file by path, with the label a
@@ -60,7 +63,7 @@ def show_command(
     config: ConfigOpt = None,
     circuit: CircuitOpt = None,
     mode: Annotated[str, typer.Option("--mode", help="draft | decode | multi_seq | verify | verify_batch | prefill")] = "decode",
-    rows: Annotated[int | None, typer.Option("--rows", help="Padded rows of the step (default 1 for decode and draft).")] = None,
+    rows: Annotated[int | None, typer.Option("--rows", min=1, max=MAX_ROWS, help="Padded rows of the step (default 1 for decode and draft).")] = None,
     table: Annotated[str | None, typer.Option("--table", help="Row table of a verify_batch step, e.g. \"4x3 3x1!\".")] = None,
     rules: Annotated[str, typer.Option("--rules", help="Built-in rule set (cpu, cuda) or a rule file.")] = "cpu",
     settings: Annotated[list[str] | None, typer.Option("--set", help="Policy setting key=value (repeatable).")] = None,
@@ -71,12 +74,15 @@ def show_command(
     """The fused launch plan: groups in execution order, launches, copies, digest."""
     from fuel.circuit.explain import explain, render_explanation
     from fuel.circuit.fuser import AvailableKernels, FuseError, fuse, fuse_table
-    from fuel.circuit.policy import build_policy, parse_assignments
+    from fuel.circuit.policy import build_policy, check_levers, parse_assignments
     from fuel.circuit.render import plan_to_json, render_plan
+    from fuel.circuit.rules import BUILTIN_RULE_SETS, load_builtin_rules
 
     plan_mode, plan_rows, row_table = plan_request(mode, rows, table)
     rule_set, label = load_rule_set(rules)
     policy = build_policy(parse_assignments(settings or []), levers or [])
+    if levers:
+        check_levers(levers, [rule_set, *(load_builtin_rules(n) for n in BUILTIN_RULE_SETS)])
     built = resolve_circuit(model, circuit, config)
     available = AvailableKernels.all_named_by(rule_set)
     if explain_plan:

@@ -64,11 +64,11 @@ def offline_step(model: str, plan_mode, plan_rows: int | None, context: int, dty
 def explain_command(
     model: Annotated[str, typer.Argument(help="A zoo model name (see `fuel models`).")],
     mode: Annotated[str, typer.Option("--mode", help="decode | multi_seq | verify | verify_batch | draft | prefill")] = "decode",
-    rows: Annotated[int | None, typer.Option("--rows", help="Padded rows of the step (default 1 for decode and draft; a prefill chunk's rows).")] = None,
+    rows: Annotated[int | None, typer.Option("--rows", min=1, max=4096, help="Padded rows of the step (default 1 for decode and draft; a prefill chunk's rows).")] = None,
     table_text: Annotated[str | None, typer.Option("--table", help="verify_batch row table, e.g. \"4x3 3x1!\".")] = None,
     device_name: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
     spec: Annotated[str | None, typer.Option("--spec", help="Device spec to price on (default: cpu-local for cpu).")] = None,
-    context: Annotated[int, typer.Option("--context", help="Longest context the step may attend.")] = 1024,
+    context: Annotated[int, typer.Option("--context", min=1, max=1 << 20, help="Longest context the step may attend.")] = 1024,
     dtype: Annotated[str, typer.Option("--dtype", help="f32 or bf16.")] = "f32",
     judge: Annotated[bool, typer.Option("--judge/--no-judge", help="Use this machine's Judge store.")] = True,
     jit: Annotated[bool, typer.Option("--jit/--no-jit", help="Adopt numba kernels for the step's requests first, so the adopted branches show (priced from the Judge store that `fuel run --jit` fills).")] = False,
@@ -90,8 +90,6 @@ def explain_command(
         raise InputError("command line", "--device", f"`{device_name}` is not cpu or cuda[:N]") from None
     if dtype not in ("f32", "bf16"):
         raise InputError("command line", "--dtype", f"`{dtype}` (expected f32 or bf16)")
-    if context < 1:
-        raise InputError("command line", "--context", f"{context} (expected a positive length)")
     spec_name = spec or ("cpu-local" if device.backend is BackendId.CPU else None)
     if spec_name is None:
         raise InputError("command line", "--spec", "a cuda device needs a spec to price on (see `fuel devices`)")

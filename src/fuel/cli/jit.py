@@ -26,9 +26,9 @@ GRAPH_NOTE = ("graph: the model's lowered decode step (planned offline, lowered 
 def jit_command(
     model: str = typer.Argument(..., help="A zoo model name (see `fuel models`)."),
     device: str = typer.Option("cpu", "--device", help="cpu (numba) or cuda (Triton)."),
-    context: int = typer.Option(1024, "--context", help="Cached tokens for paged attention."),
+    context: int = typer.Option(1024, "--context", min=1, max=1 << 20, help="Cached tokens for paged attention."),
     dtype: str = typer.Option("f32", "--dtype", help="Activation dtype: f32 or bf16."),
-    budget_ms: int = typer.Option(300_000, "--budget-ms", help="Compile budget per kernel."),
+    budget_ms: int = typer.Option(300_000, "--budget-ms", min=1, max=86_400_000, help="Compile budget per kernel."),
     as_json: bool = typer.Option(False, "--json", help="Print the records as JSON."),
 ) -> None:
     """List the JIT requests of MODEL's decode step and what each synthesizer made of them."""

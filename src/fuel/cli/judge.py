@@ -59,11 +59,13 @@ def export(
 ) -> None:
     """Write every measurement to a JSON file a team can share."""
     from fuel.cost import JudgeStore
+    from fuel.inputs import check_output_path, write_atomically
 
+    check_output_path(file, "FILE")
     with JudgeStore.open(_store_path(store), create=False) as judge:
         text = judge.export_json()
         count = judge.count()
-    file.write_text(text, encoding="utf-8")
+    write_atomically(file, text, "FILE")
     typer.echo(f"exported {count} measurement(s) to {file}")
 
 
@@ -74,14 +76,16 @@ def import_(
 ) -> None:
     """Merge a shared JSON file: new keys are added, a key keeps the lower median."""
     from fuel.cost import JudgeStore
+    from fuel.cost.store import parse_export
     from fuel.errors import InputError
+    from fuel.inputs import read_text
 
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as error:
-        raise InputError(str(file), None, f"cannot read: {error.strerror}") from None
+    # The whole file is read and validated before the store is opened (or created): a bad
+    # file changes nothing.
+    rows = parse_export(read_text(file, lambda detail: InputError(str(file), None, detail)),
+                        file=str(file))
     with JudgeStore.open(_store_path(store)) as judge:
-        report = judge.import_json(text, file=str(file))
+        report = judge.record_many(rows)
     typer.echo(f"imported {file}: {report.added} added, {report.improved} improved, {report.kept} kept")
 
 
@@ -109,7 +113,7 @@ def profile(
     model: str = typer.Argument("smollm2-135m", help="Zoo model whose dims set the kernel sizes."),
     ops: str | None = typer.Option(None, "--ops", help="Comma-separated families to measure (default: all)."),
     dtype: str = typer.Option("f32", "--dtype", help="Element type of the measured kernels."),
-    threads: int | None = typer.Option(None, "--threads", help="Pin torch's CPU thread count while measuring."),
+    threads: int | None = typer.Option(None, "--threads", min=1, max=4096, help="Pin torch's CPU thread count while measuring."),
     store: Path | None = typer.Option(None, "--store", help=_STORE_HELP),
 ) -> None:
     """Measure the CPU kernels a model's plans use (at its dims and serving row counts) and
@@ -128,6 +132,8 @@ def profile(
     except ValueError:
         raise InputError("--dtype", None, f"unknown dtype {dtype!r}") from None
     wanted = families() if ops is None else [name.strip() for name in ops.split(",") if name.strip()]
+    if not wanted:
+        raise InputError("--ops", None, f"no family named in {ops!r}; known: {', '.join(families())}")
     unknown = sorted(set(wanted) - set(families()))
     if unknown:
         raise InputError("--ops", None, f"unknown family {unknown[0]!r}; known: {', '.join(families())}")

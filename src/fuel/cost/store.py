@@ -30,6 +30,7 @@ Export output is deterministic: rows sorted by key, keys sorted, no timestamps.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from dataclasses import asdict, dataclass, fields
@@ -125,6 +126,22 @@ _UPSERT = f"""INSERT INTO measurement ({', '.join(KEY_FIELDS)}, median_ns, sprea
     WHERE excluded.median_ns < measurement.median_ns"""
 
 
+def _is_resource_error(error: sqlite3.OperationalError) -> bool:
+    """A full disk, a read-only file or an I/O failure: the store is fine, the write is not."""
+    text = str(error).lower()
+    return any(word in text for word in ("full", "readonly", "read-only", "disk i/o", "unable to open"))
+
+
+def _rollback(connection: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if SQLite has not already (it does on a full disk);
+    a failed rollback never hides the error that caused it."""
+    if connection.in_transaction:
+        try:
+            connection.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
 def _retry_locked(action, *, attempts: int = 200):
     """Run ``action``; retry briefly on 'database is locked' that escapes the busy handler
     (journal-mode switches and schema creation can race before the handler applies)."""
@@ -143,49 +160,128 @@ def _retry_locked(action, *, attempts: int = 200):
 class JudgeStore:
     """An open, verified Judge store. Use :meth:`open`; close with :meth:`close` or ``with``."""
 
-    def __init__(self, path: Path, connection: sqlite3.Connection):
+    def __init__(self, path: Path, connection: sqlite3.Connection, *, read_only: bool = False):
         self.path = path
         self._db = connection
+        self.read_only = read_only
+        """Opened read-only (the user cannot write the file or its folder): writes are refused."""
+
+    def _write(self, action):
+        """Run a write; a read-only store, a full disk or an I/O error is one
+        :class:`JudgeStoreError` naming the store (the transaction is rolled back: nothing
+        half-written)."""
+        if self.read_only:
+            raise JudgeStoreError(self.path, "read-only (the file or its folder is not writable); "
+                                             "nothing written")
+        try:
+            return _retry_locked(action)
+        except sqlite3.OperationalError as error:
+            if _is_resource_error(error):
+                raise JudgeStoreError(self.path, f"cannot write: {error}; nothing changed") from None
+            raise
 
     # -- opening ---------------------------------------------------------------------------
 
     @classmethod
     def open(cls, path: Path | str, *, create: bool = True) -> JudgeStore:
         """Open (creating when absent and ``create``) and verify the store at ``path``."""
+        from fuel.inputs import os_reason
+
         path = Path(path)
+        if path.is_dir():
+            raise JudgeStoreError(path, "is a directory, not a judge store file")
         exists = path.exists() and path.stat().st_size > 0
         if exists:
-            with path.open("rb") as handle:
-                if handle.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
-                    raise StoreCorruptError(path, "not a SQLite database (bad header); not used")
+            try:
+                with path.open("rb") as handle:
+                    header = handle.read(len(_SQLITE_HEADER))
+            except OSError as error:
+                raise JudgeStoreError(path, f"cannot read: {os_reason(error)}") from None
+            if header != _SQLITE_HEADER:
+                raise StoreCorruptError(path, "not a SQLite database (bad header); not used")
         elif not create:
             raise JudgeStoreError(path, "no judge store here")
         else:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                reason = ("a parent in the path is not a directory"
+                          if isinstance(error, (FileExistsError, NotADirectoryError)) else os_reason(error))
+                raise JudgeStoreError(path, f"cannot create: {reason}") from None
+        # A healthy store the user cannot write (a read-only file or folder) is opened read-only:
+        # it is served, never reported as damaged; a write to it is refused (see _write).
+        read_only = exists and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK))
         try:
-            connection = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+            if read_only:
+                uri = f"{path.resolve().as_uri()}?mode=ro"
+                if not os.access(path.parent, os.W_OK):
+                    uri += "&immutable=1"  # no -shm/-wal can be made beside it; nobody writes it
+                connection = sqlite3.connect(uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000,
+                                             isolation_level=None)
+            else:
+                connection = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         except sqlite3.DatabaseError as error:
             raise StoreCorruptError(path, f"cannot open: {error}; not used") from None
         try:
             connection.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-            cls._verify_or_create(path, connection)
-            mode = _retry_locked(lambda: connection.execute("PRAGMA journal_mode = WAL").fetchone())
-            if mode is None or str(mode[0]).lower() != "wal":
-                raise JudgeStoreError(path, f"cannot switch to WAL journal (got {mode!r})")
+            if read_only:
+                cls._verify(path, connection)
+            else:
+                cls._verify_or_create(path, connection)
+                mode = _retry_locked(lambda: connection.execute("PRAGMA journal_mode = WAL").fetchone())
+                if mode is None or str(mode[0]).lower() != "wal":
+                    raise JudgeStoreError(path, f"cannot switch to WAL journal (got {mode!r})")
+        except sqlite3.OperationalError as error:
+            connection.close()
+            if _is_resource_error(error):
+                raise JudgeStoreError(path, f"cannot write: {error}; nothing changed") from None
+            raise StoreCorruptError(path, f"damaged database: {error}; not used") from None
         except sqlite3.DatabaseError as error:
             connection.close()
             raise StoreCorruptError(path, f"damaged database: {error}; not used") from None
         except JudgeStoreError:
             connection.close()
             raise
-        return cls(path, connection)
+        return cls(path, connection, read_only=read_only)
 
     @staticmethod
-    def _verify_or_create(path: Path, connection: sqlite3.Connection) -> None:
+    def _quick_check(path: Path, connection: sqlite3.Connection) -> None:
         check = connection.execute("PRAGMA quick_check").fetchall()
         if check != [("ok",)]:
-            detail = "; ".join(str(row[0]) for row in check[:3])
-            raise StoreCorruptError(path, f"integrity check failed: {detail}; not used")
+            problems = [" ".join(str(row[0]).split()) for row in check]
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise StoreCorruptError(path, f"integrity check failed: {problems[0]}{more}; not used")
+
+    @classmethod
+    def _verify(cls, path: Path, connection: sqlite3.Connection) -> None:
+        """Read-only: the integrity check and the meta table, nothing created."""
+        cls._quick_check(path, connection)
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        cls._check_tables(path, connection, tables)
+
+    @staticmethod
+    def _check_tables(path: Path, connection: sqlite3.Connection, tables: set[str]) -> bool:
+        """Whether this is fuel's store of this schema (True) or an empty database (False);
+        anything else raises."""
+        if "meta" in tables:
+            meta = dict(connection.execute("SELECT key, value FROM meta").fetchall())
+            found = f"{meta.get('application', '?')} schema {meta.get('schema_version', '?')}"
+            expected = f"{APPLICATION} schema {SCHEMA_VERSION}"
+            if found != expected:
+                raise StoreVersionError(path, found, expected)
+            if "measurement" not in tables:
+                raise StoreCorruptError(path, "meta present but measurement table missing")
+            return True
+        if tables:
+            raise StoreVersionError(
+                path, f"a foreign database (tables: {', '.join(sorted(tables))})",
+                f"{APPLICATION} schema {SCHEMA_VERSION}",
+            )
+        return False
+
+    @classmethod
+    def _verify_or_create(cls, path: Path, connection: sqlite3.Connection) -> None:
+        cls._quick_check(path, connection)
 
         def create_or_read() -> None:
             connection.execute("BEGIN IMMEDIATE")
@@ -196,20 +292,7 @@ class JudgeStore:
                         "SELECT name FROM sqlite_master WHERE type = 'table'"
                     )
                 }
-                if "meta" in tables:
-                    meta = dict(connection.execute("SELECT key, value FROM meta").fetchall())
-                    found = f"{meta.get('application', '?')} schema {meta.get('schema_version', '?')}"
-                    expected = f"{APPLICATION} schema {SCHEMA_VERSION}"
-                    if found != expected:
-                        raise StoreVersionError(path, found, expected)
-                    if "measurement" not in tables:
-                        raise StoreCorruptError(path, "meta present but measurement table missing")
-                elif tables:
-                    raise StoreVersionError(
-                        path, f"a foreign database (tables: {', '.join(sorted(tables))})",
-                        f"{APPLICATION} schema {SCHEMA_VERSION}",
-                    )
-                else:
+                if not cls._check_tables(path, connection, tables):
                     for statement in _CREATE:
                         connection.execute(statement)
                     connection.executemany(
@@ -218,7 +301,7 @@ class JudgeStore:
                     )
                 connection.execute("COMMIT")
             except BaseException:
-                connection.execute("ROLLBACK")
+                _rollback(connection)
                 raise
 
         _retry_locked(create_or_read)
@@ -258,11 +341,11 @@ class JudgeStore:
                         k += 1
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                _rollback(self._db)
                 raise
             return a, i, k
 
-        added, improved, kept = _retry_locked(write)
+        added, improved, kept = self._write(write)
         return MergeReport(added, improved, kept)
 
     def record(self, row: StoredMeasurement) -> MergeReport:
@@ -280,7 +363,7 @@ class JudgeStore:
                 )
             return cursor.rowcount
 
-        return _retry_locked(delete)
+        return self._write(delete)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -323,15 +406,15 @@ class JudgeStore:
         return self.record_many(parse_export(text, file=file))
 
 
+_SQLITE_INT_MAX = 2**63 - 1
 _INT_FIELDS = {"median_ns": 1, "spread_ns": 0, "samples": 1}  # field -> smallest valid value
 
 
 def parse_export(text: str, *, file: str) -> list[StoredMeasurement]:
     """Validate a JSON export as a whole; raise :class:`InputError` naming file, row and field."""
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InputError(file, None, f"not valid JSON: {error}") from None
+    from fuel.inputs import parse_json
+
+    document = parse_json(text, lambda detail: InputError(file, None, detail))
     if not isinstance(document, dict):
         raise InputError(file, None, "expected a JSON object")
     if document.get("format") != EXPORT_FORMAT:
@@ -359,10 +442,11 @@ def parse_export(text: str, *, file: str) -> list[StoredMeasurement]:
                 raise InputError(file, f"{where}.{name}", "missing")
             value = row[name]
             if name in _INT_FIELDS:
-                if isinstance(value, bool) or not isinstance(value, int) or value < _INT_FIELDS[name]:
+                if (isinstance(value, bool) or not isinstance(value, int)
+                        or not _INT_FIELDS[name] <= value <= _SQLITE_INT_MAX):
                     raise InputError(
                         file, f"{where}.{name}",
-                        f"expected an integer >= {_INT_FIELDS[name]}, got {value!r}",
+                        f"expected an integer from {_INT_FIELDS[name]} to {_SQLITE_INT_MAX}, got {value!r}",
                     )
             elif not isinstance(value, str) or not value:
                 raise InputError(file, f"{where}.{name}", f"expected a non-empty string, got {value!r}")

@@ -37,7 +37,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fuel.circuit.config_map import shape_from_config
 from fuel.circuit.fuser import AvailableKernels, FusionPlan, Policy, fuse, fuse_table
 from fuel.circuit.ir import Circuit, Section
 from fuel.circuit.rules import Mode, RuleSet, load_builtin_rules
@@ -153,7 +152,12 @@ class Engine:
         from fuel.runtime.weights import check_weights
 
         if circuit is None:
-            circuit = zoo.circuit_for(shape_from_config(dict(weights.config), str(weights.source.path)))
+            from fuel.runtime.weights import SourceKind
+
+            source = weights.source
+            config_file = (source.folder / "config.json" if source.kind is SourceKind.CHECKPOINT_FOLDER
+                           else source.path)
+            circuit = zoo.circuit_for_config(dict(weights.config), str(config_file))
         check_weights(weights, expected_weight_shapes(circuit))
         self.weights = weights
         self.circuit = circuit

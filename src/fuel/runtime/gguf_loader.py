@@ -208,7 +208,13 @@ def read_gguf(path: str | Path) -> GgufModel:
         reader = GGUFReader(path)
     except Exception as error:  # gguf raises ValueError, struct.error, IndexError... on bad bytes
         raise CorruptWeightsFile(str(path), f"not a readable GGUF ({type(error).__name__}: {error})") from error
-    metadata = {key: _field_value(field) for key, field in reader.fields.items()}
+    metadata = {}
+    for key, field in reader.fields.items():
+        try:
+            metadata[key] = _field_value(field)
+        except UnicodeDecodeError as error:
+            raise CorruptWeightsFile(str(path), f"metadata key `{key}`: a string that is not valid "
+                                                f"UTF-8 (byte 0x{error.object[error.start]:02x})") from None
     model = GgufModel(path, metadata, reader)
     if model.architecture != "llama":
         raise UnsupportedGguf(

@@ -89,6 +89,7 @@ def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_cont
         source = None
     weights = load_weights(source, dtype=dtype, progress=progress)
     tokenizer = load_tokenizer(weights.source.folder)
+    check_vocabulary(tokenizer, weights)
     table = cpu_table()
     options, session, note = None, None, None
     if jit:
@@ -103,6 +104,21 @@ def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_cont
                     optimize_options=options)
     name = DEFAULT_MODEL_NAME if source is None else str(source)
     return Model(weights, tokenizer, engine, name, session, note)
+
+
+def check_vocabulary(tokenizer: Any, weights: Any) -> None:
+    """A tokenizer that can produce ids the embedding has no row for is refused before any run
+    (the lookup would fail, or read past the table, mid-generation)."""
+    from fuel.runtime.gguf_loader import CorruptWeightsFile
+
+    embedding = weights.get("model.embed_tokens.weight") if "model.embed_tokens.weight" in weights else None
+    if embedding is None:
+        return
+    rows = int(embedding.shape[0])
+    if tokenizer.vocab_size > rows:
+        raise CorruptWeightsFile(str(Path(tokenizer.source) / "tokenizer.json"),
+                                 f"the tokenizer has {tokenizer.vocab_size} token ids but the "
+                                 f"embedding (model.embed_tokens.weight) has {rows} rows")
 
 
 def make_drafter(name: str):

