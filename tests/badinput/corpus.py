@@ -10,10 +10,9 @@ Invariants: cases are data (``Case``), built once at import; ids are unique; arg
 are ``{d}`` (the case's own folder, holding ``files``), ``{ckpt}`` (a fresh copy of a tiny
 runnable checkpoint folder inside it) and ``{store}`` (a fresh copy of a healthy Judge store).
 A file's content is text, bytes, or a ``Gen`` (made in the test: binary, huge and derived
-inputs are never committed). ``NEEDS_CONFIG_VALIDATION`` lists the cases that need config
-*value* validation (kv heads dividing q heads, top-k <= experts, finite positive eps and rope
-theta, absurd layer counts), done in ``circuit/config_map.py`` by another change: they are
-expected to fail until it lands.
+inputs are never committed). The config *value* cases (kv heads dividing q heads, top-k <=
+experts, finite positive eps and rope theta, absurd layer counts) are checked by
+``circuit/config_map.py`` at the boundary.
 """
 
 from __future__ import annotations
@@ -251,11 +250,6 @@ VALUE_CONFIGS: list[tuple[str, Any, str]] = [
     ("layers-absurd", cfg(num_hidden_layers=10**9), r"c\.json.*num_hidden_layers"),
     ("topk-above-experts", cfg(MOE, num_experts_per_tok=9), r"c\.json.*num_experts_per_tok"),
 ]
-NEEDS_CONFIG_VALIDATION: set[str] = set()
-NOT_RUN_UNTIL_CONFIG_VALIDATION: set[str] = set()
-"""Of those, the ones the test does not run until the checks land: the 10**9-layer config
-(minutes and gigabytes building its circuit) and the ``show``/``plan`` twins of every value case
-(accepted, they plan a whole model: seconds each); the ``describe`` twin runs (as xfail)."""
 CONFIG_COMMANDS = {"describe": ["circuit", "describe"], "show": ["circuit", "show"], "plan": ["plan"]}
 for group, table in (("config", CONFIGS), ("config-value", VALUE_CONFIGS)):
     for cid, content, pattern in table:
@@ -263,10 +257,6 @@ for group, table in (("config", CONFIGS), ("config-value", VALUE_CONFIGS)):
             files = {} if content is None else {"c.json": content}
             id_ = f"{group}-{cid}-{cmd}"
             case(id_, [*argv, "--config", "{d}/c.json"], pattern, files)
-            if group == "config-value":
-                NEEDS_CONFIG_VALIDATION.add(id_)
-                if cmd != "describe" or cid == "layers-absurd":
-                    NOT_RUN_UNTIL_CONFIG_VALIDATION.add(id_)
 
 # --------------------------------------------------------------------------- 4. circuit files
 

@@ -17,18 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.badinput.corpus import CASES, NEEDS_CONFIG_VALIDATION, NOT_RUN_UNTIL_CONFIG_VALIDATION, Case
+from tests.badinput.corpus import CASES, Case
 from tests.badinput.harness import prepare, run_case, snapshot
 
 
-def _param(case: Case):
-    marks = []
-    if case.id in NEEDS_CONFIG_VALIDATION:
-        # Config value validation lands with circuit/config_map.py's checks (another change).
-        # Remove a case from NEEDS_CONFIG_VALIDATION once it passes.
-        marks.append(pytest.mark.xfail(reason="needs config value validation (config_map.py)",
-                                       strict=False, run=case.id not in NOT_RUN_UNTIL_CONFIG_VALIDATION))
-    return pytest.param(case, id=case.id, marks=marks)
 
 
 def test_corpus_is_large_and_covers_every_command():
@@ -40,7 +32,7 @@ def test_corpus_is_large_and_covers_every_command():
         assert command in commands, command
 
 
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_clean_line(case: Case, tmp_path: Path, badinput_shared):
     outcome = run_case(case, tmp_path / "case", badinput_shared)
     assert outcome.kind == "clean", f"{outcome.kind}: {outcome.detail}\n{outcome.stderr}"
