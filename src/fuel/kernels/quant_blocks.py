@@ -94,10 +94,16 @@ _F16_FIELDS = {
 }
 
 
+# Scale ranges giving weights of a trained model's size (|w| up to ~0.3): a scale multiplies
+# quants up to 127 (q8_0), 15-31 (q4/q5) or a 6-bit sub-scale times 15-63 (K-quants).
+_SCALE_RANGES = {"q8_0": (0.0002, 0.002), "q4_k": (0.0002, 0.001), "q5_k": (0.0001, 0.0005),
+                 "q6_k": (0.0002, 0.001), "q2_k": (0.0005, 0.002), "q3_k": (0.0005, 0.002)}
+
+
 def random_blocks(layout: str, rows: int, cols: int, generator: Any):
-    """A u8 ``[rows, row_bytes]`` tensor of valid blocks: random quants, f16 scales drawn from
-    ``U(0.002, 0.02)`` (offsets of ``_1`` formats from ``U(-0.1, 0.1)``), the size real weights
-    have. ``q8_k`` (an activation format) has no f16 scale and is refused."""
+    """A u8 ``[rows, row_bytes]`` tensor of valid blocks: random quants, f16 scales of the size
+    real weights have (``_SCALE_RANGES``; ``U(0.002, 0.02)`` for the 4/5-bit formats, offsets of
+    the ``_1`` formats from ``U(-0.1, 0.1)``). ``q8_k`` (an activation format) has no f16 scale and is refused."""
     import torch
 
     elements, block_bytes = block_shape(layout)
@@ -106,9 +112,9 @@ def random_blocks(layout: str, rows: int, cols: int, generator: Any):
     blocks = rows * (cols // elements)
     data = torch.randint(0, 256, (blocks, block_bytes), generator=generator, dtype=torch.uint8)
     for index, offset in enumerate(_F16_FIELDS[layout]):
-        low, high = (0.002, 0.02) if index == 0 else (-0.1, 0.1)
+        low, high = _SCALE_RANGES.get(layout, (0.002, 0.02)) if index == 0 else (-0.1, 0.1)
         if layout.endswith("_k") and index == 1:
-            low, high = 0.002, 0.02  # dmin scales the (unsigned) 6-bit mins
+            low, high = _SCALE_RANGES[layout]  # dmin scales the (unsigned) 6-bit mins
         scale = torch.empty(blocks, dtype=torch.float32).uniform_(low, high, generator=generator)
         data[:, offset:offset + 2] = scale.to(torch.float16).view(torch.uint8).reshape(blocks, 2)
     return data.reshape(rows, packed_row_bytes(layout, cols))
