@@ -186,6 +186,7 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
         "plan_digests": dict(sorted(stats.digests.items(), key=lambda item: item[1])),
         "bake_decisions": bakes,
         "jit": _jit_report(model),
+        "weights": _weights_report(model),
     }
     if speculate:
         proposed = sum(getattr(o, "speculation").proposed for o in outs)
@@ -194,6 +195,12 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
                                  "accepted": accepted,
                                  "acceptance_rate": round(accepted / proposed, 4) if proposed else None}
     return result
+
+
+def _weights_report(model: Model) -> dict[str, Any]:
+    from fuel.runtime.quant_cache import decode_traffic
+
+    return decode_traffic(model.weights)
 
 
 def _jit_report(model: Model) -> dict[str, Any]:

@@ -175,5 +175,32 @@ def weight_formats(weights: Mapping[str, Any]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-__all__ = ["STORED_VERSION", "convert_gguf_stored", "load_stored", "logical_shape",
+def decode_traffic(weights: Any) -> dict[str, Any]:
+    """What one decode step reads of the weights, by format, and the bandwidth floor for it.
+
+    Every distinct tensor is read once per token, except an untied embedding (one row of it);
+    a tied embedding is read whole as the LM head. The rate is the ``cpu-local`` probe's
+    bandwidth (a measured copy rate, cached per machine: ``fuel devices``)."""
+    from fuel.cost import device
+
+    by_format = weight_formats(weights)
+    read = sum(by_format.values())
+    tensors = getattr(weights, "tensors", weights)
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is not None and not getattr(weights, "tied_embeddings", False):
+        read -= embed.numel() * embed.element_size() - embed[0].numel() * embed.element_size()
+    spec = device("cpu-local")
+    rate = spec.bandwidth_bytes_per_s
+    return {
+        "formats": by_format,
+        "resident_bytes": resident_bytes(weights),
+        "bytes_per_token": read,
+        "bandwidth_bytes_per_s": rate,
+        "bandwidth_source": spec.sources.get("bandwidth", "cpu-local probe"),
+        "floor_ms_per_token": round(read / rate * 1e3, 3) if rate > 0 else None,
+        "floor_tokens_per_s": round(rate / read, 2) if read > 0 and rate > 0 else None,
+    }
+
+
+__all__ = ["STORED_VERSION", "decode_traffic", "convert_gguf_stored", "load_stored", "logical_shape",
            "packed_tensors", "resident_bytes", "stored_folder", "weight_formats"]
