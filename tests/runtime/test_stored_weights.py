@@ -135,3 +135,39 @@ def test_stored_run_with_adopted_kernels_equals_the_dequantized_run(shipped_mix,
     adopted = {e.region for e in options.jit.events if e.record.runtime_id is not None}
     assert "quant_linear" in adopted
     assert tokens == greedy(dequantized)
+
+
+def test_planning_reads_formats_from_the_header_alone(stored, quant_gguf):
+    from fuel.runtime.quant_cache import planned_weights
+
+    planned = planned_weights(quant_gguf)
+    assert dict(planned.formats) == dict(stored.formats)
+    assert {name: planned[name] for name in planned} == stored.shapes()
+    assert planned.format_of("lm_head.weight") == "gguf/q8_0"
+
+
+def test_lowering_binds_packed_weights_to_quantized_matmuls(stored):
+    from fuel.circuit.rules import Mode
+    from fuel.graph.ir import Fused, Prim
+    from fuel.graph.ops import OpKind
+    from fuel.graph.registry import FusedOps
+    from fuel.runtime.lower import StepShape, lower
+
+    engine = Engine(stored, max_context=64)
+    step = lower(engine.plan(Mode.DECODE, 1), engine.circuit, engine.store, StepShape(((1, 1),), 16, 4, 4, 64))
+    ops = [step.graph.node(n).op for n in step.graph]
+    quant = [op for op in ops if isinstance(op, Fused) and op.id == FusedOps.QUANT_LINEAR]
+    # 2 layers x (q, k, v, o, gate, up, down) + the tied LM head, each its own packed weight.
+    assert len(quant) == 2 * 7 + 1
+    assert {op.params.layout for op in quant} == {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
+    assert sum(isinstance(op, Prim) and op.kind is OpKind.DEQUANTIZE for op in ops) == 1  # embed
+
+
+def test_decode_traffic_counts_every_stored_byte_once(stored):
+    from fuel.cost import device
+    from fuel.runtime.quant_cache import decode_traffic
+
+    spec = device("gb10")  # a published spec: the arithmetic, without probing this machine
+    traffic = decode_traffic(stored, spec)
+    assert traffic["bytes_per_token"] == traffic["resident_bytes"] == sum(traffic["formats"].values())
+    assert traffic["floor_tokens_per_s"] == round(spec.bandwidth_bytes_per_s / traffic["bytes_per_token"], 2)

@@ -12,6 +12,8 @@ from the Judge store (an arm no run has measured is "unknown cost" and keeps arm
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from typing import Annotated
 
 import typer
@@ -26,9 +28,11 @@ _RUNS = {"decode": lambda rows: ((1, 1),), "draft": lambda rows: ((1, 1),),
          "multi_seq": lambda rows: ((1, rows),), "verify": lambda rows: ((rows, 1),)}
 
 
-def offline_step(model: str, plan_mode, plan_rows: int, context: int, dtype: str, backend):
+def offline_step(model: str, plan_mode, plan_rows: int, context: int, dtype: str, backend,
+                 weights=None):
     """Plan ``model``'s step offline (the rule set's named kernels, the documented policy
-    defaults) and lower it with the circuit's weight shapes (no checkpoint is read)."""
+    defaults) and lower it with the circuit's weight shapes (no checkpoint is read), or with
+    ``weights`` (a GGUF's packed shapes and formats: :func:`~fuel.runtime.quant_cache.planned_weights`)."""
     from fuel.circuit.fuser import AvailableKernels, fuse
     from fuel.circuit.policy import build_policy
     from fuel.circuit.rules import load_builtin_rules
@@ -44,7 +48,7 @@ def offline_step(model: str, plan_mode, plan_rows: int, context: int, dtype: str
     max_blocks = -(-context // block_size)
     runs = _RUNS[plan_mode.value](plan_rows)
     sequences = sum(n for _, n in runs)
-    return lower(plan, circuit, expected_weight_shapes(circuit),
+    return lower(plan, circuit, weights if weights is not None else expected_weight_shapes(circuit),
                  StepShape(runs, block_size, max_blocks * sequences, max_blocks, context),
                  dtype=DType(dtype))
 
@@ -60,6 +64,7 @@ def explain_command(
     dtype: Annotated[str, typer.Option("--dtype", help="f32 or bf16.")] = "f32",
     judge: Annotated[bool, typer.Option("--judge/--no-judge", help="Use this machine's Judge store.")] = True,
     jit: Annotated[bool, typer.Option("--jit/--no-jit", help="Adopt numba kernels for the step's requests first, so the adopted branches show (priced from the Judge store that `fuel run --jit` fills).")] = False,
+    weights: Annotated[Path | None, typer.Option("--weights", help="A GGUF whose stored formats the step binds (quantized matmuls show their arms).")] = None,
 ) -> None:
     """Which arms each branch had, what each cost (and whether the Judge measured it), who won, why."""
     from fuel.cli.circuit_show import plan_request
@@ -86,7 +91,12 @@ def explain_command(
     from fuel.optimize import OptimizeOptions, optimize_graph
     from fuel.optimize.render import render_explanation
 
-    step = offline_step(model, plan_mode, plan_rows, context, dtype, device.backend)
+    planned = None
+    if weights is not None:
+        from fuel.runtime.quant_cache import planned_weights
+
+        planned, dtype = planned_weights(weights), "f32"  # packed weights compute in f32
+    step = offline_step(model, plan_mode, plan_rows, context, dtype, device.backend, planned)
     table = torch_table(device.backend)
     runtime, adoption_lines = None, []
     if jit:

@@ -175,12 +175,59 @@ def weight_formats(weights: Mapping[str, Any]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def decode_traffic(weights: Any) -> dict[str, Any]:
+class PlannedWeights(Mapping[str, tuple[int, ...]]):
+    """Weight shapes by binding path as a stored-format run binds them (packed ``[rows,
+    row_bytes]`` for block tensors), with their formats: what lowering needs to plan a GGUF's
+    step without reading its tensor data."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], formats: Mapping[str, str],
+                 aliases: Mapping[str, str]):
+        self._shapes, self.formats, self.aliases = dict(shapes), dict(formats), dict(aliases)
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        return self._shapes[self.aliases.get(name, name)]
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def format_of(self, name: str) -> str | None:
+        return self.formats.get(self.aliases.get(name, name))
+
+
+def planned_weights(path: str | Path) -> PlannedWeights:
+    """The packed shapes and formats of a GGUF's tensors, from its header alone."""
+    from fuel.kernels.quant_blocks import PLAIN_GGUF_TYPES, UnsupportedTensorType, format_of_gguf_type
+    from fuel.runtime.gguf_loader import hf_tensor_name, read_gguf
+
+    model = read_gguf(path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    formats: dict[str, str] = {}
+    for tensor in model._reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        fmt = format_of_gguf_type(tensor.tensor_type.name)
+        if name is None:
+            raise UnsupportedGguf(str(model.path), tensor.name, "tensor has no Hugging Face llama counterpart")
+        if fmt is None:
+            raise UnsupportedTensorType(str(model.path), tensor.name, tensor.tensor_type.name)
+        logical = tuple(int(d) for d in reversed(tensor.shape))
+        if tensor.tensor_type.name in PLAIN_GGUF_TYPES:
+            shapes[name] = logical
+        else:
+            shapes[name] = tuple(int(d) for d in tensor.data.shape)
+            formats[name] = fmt.name()
+    aliases = {} if "lm_head.weight" in shapes else {"lm_head.weight": "model.embed_tokens.weight"}
+    return PlannedWeights(shapes, formats, aliases)
+
+
+def decode_traffic(weights: Any, spec: Any = None) -> dict[str, Any]:
     """What one decode step reads of the weights, by format, and the bandwidth floor for it.
 
     Every distinct tensor is read once per token, except an untied embedding (one row of it);
-    a tied embedding is read whole as the LM head. The rate is the ``cpu-local`` probe's
-    bandwidth (a measured copy rate, cached per machine: ``fuel devices``)."""
+    a tied embedding is read whole as the LM head. The rate is ``spec``'s bandwidth, by default
+    the ``cpu-local`` probe's (a measured copy rate, cached per machine: ``fuel devices``)."""
     from fuel.cost import device
 
     by_format = weight_formats(weights)
@@ -189,7 +236,7 @@ def decode_traffic(weights: Any) -> dict[str, Any]:
     embed = tensors.get("model.embed_tokens.weight")
     if embed is not None and not getattr(weights, "tied_embeddings", False):
         read -= embed.numel() * embed.element_size() - embed[0].numel() * embed.element_size()
-    spec = device("cpu-local")
+    spec = spec if spec is not None else device("cpu-local")
     rate = spec.bandwidth_bytes_per_s
     return {
         "formats": by_format,
@@ -202,5 +249,5 @@ def decode_traffic(weights: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["STORED_VERSION", "decode_traffic", "convert_gguf_stored", "load_stored", "logical_shape",
+__all__ = ["PlannedWeights", "STORED_VERSION", "decode_traffic", "planned_weights", "convert_gguf_stored", "load_stored", "logical_shape",
            "packed_tensors", "resident_bytes", "stored_folder", "weight_formats"]
