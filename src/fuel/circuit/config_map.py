@@ -339,6 +339,10 @@ def _classify(source: str, m: ConfigMap, rule: KeyRule, present: bool, value: An
     if rule.kind == "weight_format":
         if not present or value is None:
             return None
+        if key.endswith("quantization_config"):
+            from fuel.circuit.quant_config import weight_format_of
+
+            return weight_format_of(source, value)
         if value not in _WEIGHT_DTYPES:
             raise RequirementViolated(source, key, value, " or ".join(_WEIGHT_DTYPES),
                                       "the weight formats fuel stores")
@@ -449,7 +453,9 @@ def shape_from_config(config: Mapping[str, Any], source: str | None = None,
     for key, rule in rules.items():
         fmt = _classify(source, m, KeyRule(prefix + key, *_rest(rule)), key in body, body.get(key),
                         params)
-        weight_format = fmt or weight_format
+        # A quantization config names the stored format; torch_dtype then only the compute's.
+        if fmt is not None and (weight_format is None or not weight_format.is_quantized):
+            weight_format = fmt
     if "head_dim" in dims:
         params["softmax_scale"] = repr(1.0 / math.sqrt(dims["head_dim"]))
     return ArchShape(m.arch, str(config["model_type"]), layers, layer_kinds, dims, params,
