@@ -105,4 +105,17 @@ def kv_format_of(source: str, scheme: Mapping[str, Any] | None) -> Format | None
     raise QuantConfigUnsupported(source, "kv_cache_scheme", scheme, "fuel maps 8-bit float KV caches")
 
 
-__all__ = ["QuantConfigUnsupported", "kv_format_of", "weight_format_of"]
+def with_weight_formats(circuit: Any, formats: Mapping[str, Format]) -> Any:
+    """``circuit`` with each weight-reading node's ``weight_format`` set to the format its first
+    binding is stored in (``formats``: binding path → format, e.g. a GGUF's per-tensor types);
+    nodes whose bindings are not named keep theirs."""
+    from dataclasses import replace
+
+    nodes = []
+    for node in circuit.nodes:
+        fmt = next((formats[b] for b in node.bindings if b in formats), None)
+        nodes.append(replace(node, weight_format=fmt) if fmt is not None and node.weight_format else node)
+    return replace(circuit, nodes=tuple(nodes))
+
+
+__all__ = ["QuantConfigUnsupported", "kv_format_of", "weight_format_of", "with_weight_formats"]

@@ -58,6 +58,7 @@ def plan_command(
     levers: Annotated[list[str], typer.Option("--lever", help="Opt in a `differs` lever (repeatable).")] = [],  # noqa: B006
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     html: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page.")] = None,
+    weights: Annotated[Path | None, typer.Option("--weights", help="A GGUF whose per-tensor stored formats (Q4_1, Q8_0, ...) the report prices.")] = None,
 ) -> None:
     """What MODEL does on a device: roofline, memory fit, fused plans, gaps, coverage."""
     from fuel.circuit.policy import build_policy, parse_assignments
@@ -78,6 +79,11 @@ def plan_command(
     tables = tuple(RowTable.parse(t) for t in (table or DEFAULT_TABLES))
     spec = device_spec(device)
     circ = resolve_circuit(model, circuit, config)
+    if weights is not None:
+        from fuel.circuit.quant_config import with_weight_formats
+        from fuel.runtime.quant_cache import stored_formats
+
+        circ = with_weight_formats(circ, stored_formats(weights))
     policy = build_policy(parse_assignments(settings), levers)
     choice = rule_set_for(spec.title, spec.kind.value)
     options = ReportOptions(context=context, kv_format=kv_format_for(policy), tables=tables,

@@ -197,6 +197,22 @@ class PlannedWeights(Mapping[str, tuple[int, ...]]):
         return self.formats.get(self.aliases.get(name, name))
 
 
+def stored_formats(path: str | Path) -> dict[str, Any]:
+    """Binding path → stored :class:`~fuel.circuit.format.Format` of every tensor of a GGUF
+    (block tensors their ``gguf/<layout>``, plain ones their float format), aliases included."""
+    from fuel.runtime.gguf_loader import read_gguf
+    from fuel.kernels.quant_blocks import format_of_gguf_type
+
+    planned = planned_weights(path)
+    model = read_gguf(path)
+    from fuel.runtime.gguf_loader import hf_tensor_name
+
+    out = {hf_tensor_name(t.name): format_of_gguf_type(t.tensor_type.name) for t in model._reader.tensors}
+    for alias, target in planned.aliases.items():
+        out[alias] = out[target]
+    return out
+
+
 def planned_weights(path: str | Path) -> PlannedWeights:
     """The packed shapes and formats of a GGUF's tensors, from its header alone."""
     from fuel.kernels.quant_blocks import PLAIN_GGUF_TYPES, UnsupportedTensorType, format_of_gguf_type
@@ -249,5 +265,5 @@ def decode_traffic(weights: Any, spec: Any = None) -> dict[str, Any]:
     }
 
 
-__all__ = ["PlannedWeights", "STORED_VERSION", "decode_traffic", "planned_weights", "convert_gguf_stored", "load_stored", "logical_shape",
+__all__ = ["PlannedWeights", "STORED_VERSION", "decode_traffic", "planned_weights", "stored_formats", "convert_gguf_stored", "load_stored", "logical_shape",
            "packed_tensors", "resident_bytes", "stored_folder", "weight_formats"]
