@@ -54,3 +54,22 @@ def test_a_gptq_checkpoint_plans_with_int4_weights_over_its_torch_dtype():
     assert shape.weight_format == parse("int4/g128")
     del config["quantization_config"]
     assert not shape_from_config(config, "config.json").weight_format.is_quantized
+
+
+def test_plan_prices_the_shipped_gguf_in_its_stored_formats():
+    from gguf import GGUFReader
+
+    from fuel.circuit import zoo
+    from fuel.circuit.quant_config import with_weight_formats
+    from fuel.report.memory import stored_weight_bytes
+    from fuel.runtime.quant_cache import stored_formats
+    from fuel.runtime.weights import default_model_path
+
+    path = default_model_path()
+    circuit = zoo.circuit_for(shape_from_config(json.loads(
+        (ZOO.parent / "smollm2-135m.json").read_text()), "smollm2-135m.json"))
+    stored = with_weight_formats(circuit, stored_formats(path))
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    # The circuit counts norm gains at the file's f32 and every projection in its block format.
+    assert stored_weight_bytes(stored) == file_bytes
+    assert stored_weight_bytes(stored) < stored_weight_bytes(circuit) / 2
