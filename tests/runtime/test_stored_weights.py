@@ -131,10 +131,20 @@ def test_stored_run_with_adopted_kernels_equals_the_dequantized_run(shipped_mix,
     options.jit.profile_options = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
     stored, dequantized = shipped_mix
     assert set(weight_formats(stored)) == {"f32", "gguf/q4_1", "gguf/q8_0"}
-    tokens = greedy(stored, options, table)
+    engine = Engine(stored, max_context=64, table=table, optimize_options=options)
+    tokens = generate(engine, PROMPT, 6).tokens
     adopted = {e.region for e in options.jit.events if e.record.runtime_id is not None}
     assert "quant_linear" in adopted
     assert tokens == greedy(dequantized)
+    # Every quantized matmul of the decode step runs its kernel: no arm-0 matmul stays live
+    # (a residual_add_rms_norm reading an o/down projection once kept it), and only the
+    # embedding's gathered rows are dequantized.
+    from fuel.circuit.rules import Mode
+    from fuel.runtime.program import dispatch_census
+
+    decode = [p for p in engine.programs() if p.step.plan.mode is Mode.DECODE]
+    census = dispatch_census(decode[0])
+    assert "matmul" not in census and census["dequantize"] == 1
 
 
 def test_planning_reads_formats_from_the_header_alone(stored, quant_gguf):
