@@ -9,6 +9,13 @@ see ``fuel.jit.decode_step``) —
 asks the carrier for each request, and runs adoption, which verifies the numba kernel against
 the decomposition and profiles both on the same inputs in the same run (median of repeated
 samples, ``fuel.cost.profile_kernel``). The speedup is decomposed / kernel; the target is >= 2x.
+
+Then, per llama.cpp block layout with a numba template (``fuel.jit.quant_gemv``), the
+quantized matmul (``quant_linear``) at SmolLM2's decode shapes (one activation row; q/o 576x576,
+gate/up 1536x576, down 576x1536, and for q8_0 the tied LM head 49152x576): the adopted kernel
+vs the dequantize-then-matmul region it replaces (arm 0), with the max error, plus the f32
+``mm`` over the already-dequantized weight (what ``--dtype f32`` runs) for scale.
+``--quant-only`` runs just that table.
 """
 
 from __future__ import annotations
@@ -34,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--quant-only", action="store_true")
     args = parser.parse_args(argv)
+    if args.quant_only:
+        return quant_main(args.repeats)
     dtype = DType(args.dtype)
     synth = NumbaSynthesizer()
     print(f"{'model':<14} {'region':<22} {'first inputs':<34} {'kernel':>10} {'decomposed':>11} "
@@ -63,7 +73,51 @@ def main(argv: list[str] | None = None) -> int:
                   f"{record.decomposed_ns / 1e3:>9.1f}us {speedup:>7.2f}x  "
                   f"{'>= 2x' if speedup >= TARGET else 'below 2x'} "
                   f"(max err {record.max_abs_error:.1e}, {record.outcome.value})")
-    return 0 if below == 0 else 1
+    return (0 if below == 0 else 1) | quant_main(args.repeats)
+
+
+QUANT_SHAPES = ((576, 576), (1536, 576), (576, 1536))
+"""SmolLM2-135M's projections (features, input features); q8_0 adds the 49152x576 LM head."""
+
+
+def quant_main(repeats: int) -> int:
+    """The quantized-matmul table (module docs); nonzero when a kernel is not adopted."""
+    import torch
+
+    from fuel.cost.profile import profile_kernel
+    from fuel.graph.ir import Graph
+    from fuel.graph.registry import FusedOpParams, FusedOps
+    from fuel.kernels.quant_blocks import KERNEL_LAYOUTS, dequantize, packed_row_bytes, random_blocks
+
+    synth = NumbaSynthesizer()
+    print(f"\n{'layout':<7} {'weight':<11} {'kernel':>10} {'decomposed':>11} {'speedup':>8} "
+          f"{'f32 mm':>9}  max error / verdict")
+    failed = 0
+    for layout in KERNEL_LAYOUTS:
+        shapes = QUANT_SHAPES + (((49152, 576),) if layout == "q8_0" else ())
+        for features, cols in shapes:
+            g = Graph()
+            x = g.input("x", (1, cols), DType.F32)
+            w = g.input("w", (features, packed_row_bytes(layout, cols)), DType.U8)
+            node = g.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, cols), x, w)
+            request = jit_request_for_unplaceable_fused(g, node, BackendId.CPU, cpu_table(),
+                                                        ArchSku.CPU, JitBudget(300_000))
+            record = adopt(synth, request, BackendId.CPU, table=cpu_table(),
+                           registry=RuntimeFusedRegistry(), profile_repeats=repeats)
+            packed = random_blocks(layout, features, cols, torch.Generator().manual_seed(0))
+            dense = dequantize(packed, layout, cols)
+            act = torch.randn(1, cols)
+            f32_ns = profile_kernel(lambda: act @ dense.T, repeats=repeats).median_ns
+            label = f"{features}x{cols}"
+            if record.kernel_ns is None:
+                failed += 1
+                print(f"{layout:<7} {label:<11} {record.outcome.value}: {record.reason}")
+                continue
+            failed += not record.adopted
+            print(f"{layout:<7} {label:<11} {record.kernel_ns / 1e3:>8.1f}us "
+                  f"{record.decomposed_ns / 1e3:>9.1f}us {record.speedup:>7.1f}x "
+                  f"{f32_ns / 1e3:>7.1f}us  {record.max_abs_error:.1e} ({record.outcome.value})")
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":

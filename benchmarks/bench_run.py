@@ -13,6 +13,14 @@ residual_add_rms_norm decomposed) and ``--jit`` (adopted numba kernels where the
 them faster; the first JIT run adopts and measures, the timed runs reuse the programs). Usage::
 
     .venv/bin/python benchmarks/bench_run.py [--tokens 64] [--threads N] [--dtype f32 --dtype bf16] [--jit on --jit off]
+
+``--stored`` instead runs the shipped Q4_1 file in its stored formats (:func:`stored_q4_1`):
+fuel's decode rate with the quantized kernels the bake adopted, llama.cpp's on the same file,
+threads and prompt ids (``--llama-python``, the peer interpreter; skipped with a note when it is
+absent), and the bandwidth floor for the stored bytes (targets: >= 1.0x llama.cpp, within 2x of
+the floor)::
+
+    .venv/bin/python benchmarks/bench_run.py --stored [--llama-python /work/peer/llama/bin/python]
 """
 
 from __future__ import annotations
@@ -87,6 +95,54 @@ def read_bandwidth(mib: int = 512, repeats: int = 7) -> float:
     return buffer.numel() * 4 / statistics.median(times)
 
 
+def stored_q4_1(args) -> None:
+    """The ``--stored`` benchmark (module docs)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from fuel.runtime.model import load_model, set_threads
+    from fuel.runtime.quant_cache import decode_traffic
+    from fuel.runtime.weights import default_model_path
+
+    threads = set_threads(args.threads)
+    model = load_model(None, dtype="stored", max_context=512, progress=False, jit=True)
+    rate, report = fuel_decode_rate(model, args.tokens, args.repeats)
+    traffic = decode_traffic(model.weights)
+    bandwidth = max(read_bandwidth(), traffic["bandwidth_bytes_per_s"])
+    floor_rate = bandwidth / traffic["bytes_per_token"]
+    size = default_model_path().stat().st_size
+    print(f"[stored] {default_model_path().name} ({size / 1e6:.1f} MB), {threads} threads, "
+          f"{args.tokens} new tokens")
+    print("  weight formats: " + ", ".join(f"{fmt} {b / 1e6:.1f} MB" for fmt, b in traffic["formats"].items())
+          + f"; resident {traffic['resident_bytes'] / 1e6:.1f} MB = "
+            f"{traffic['resident_bytes'] / size:.2f}x the GGUF (target <= 1.3x)")
+    decode = report["steps"]["decode"]
+    print(f"  fuel run decode (stored, jit on): {rate:8.2f} tokens/s ({decode['kernel_calls_per_step']} "
+          f"kernel calls per step)")
+    print(f"  bandwidth floor: {traffic['bytes_per_token'] / 1e6:.1f} MB per token / {bandwidth / 1e9:.2f} GB/s "
+          f"= {1e3 / floor_rate:.1f} ms/token ({floor_rate:.1f} tokens/s); fuel is "
+          f"{floor_rate / rate:.2f}x from it (target within 2x)")
+    python = Path(args.llama_python)
+    if not python.is_file():
+        print(f"  llama.cpp: --llama-python {python} is not an interpreter; peer skipped")
+        return
+    ids = model.tokenizer.encode(model.tokenizer.format_prompt(PROMPT))
+    script = Path(__file__).with_name("llamacpp_peer.py")
+    rates = []
+    for _ in range(args.repeats):
+        done = subprocess.run([str(python), str(script), str(default_model_path()), str(threads),
+                               str(args.tokens), json.dumps([ids])], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"  llama.cpp peer failed: {done.stderr.strip()[-300:]}")
+            return
+        run = json.loads(done.stdout)["runs"][0]
+        rates.append(run["decode_tokens"] / run["decode_s"])
+    peer = statistics.median(rates)
+    print(f"  llama.cpp (llama-cpp-python) decode: {peer:8.2f} tokens/s")
+    print(f"  ratio fuel / llama.cpp: {rate / peer:6.2f}x (target >= 1.0x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
@@ -94,7 +150,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", action="append", choices=["f32", "bf16"])
     parser.add_argument("--jit", action="append", choices=["off", "on"])
+    parser.add_argument("--stored", action="store_true", help="the Q4_1 file in its stored formats")
+    parser.add_argument("--llama-python", default="/work/peer/llama/bin/python")
     args = parser.parse_args()
+    if args.stored:
+        stored_q4_1(args)
+        return
 
     from fuel.cost.probe import cpu_local_spec
     from fuel.runtime.model import load_model, set_threads

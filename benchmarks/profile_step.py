@@ -60,7 +60,8 @@ def census(program, timings: list[tuple[float, ...]]) -> list[tuple[str, int, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    parser.add_argument("--dtype", choices=["f32", "bf16", "stored"], default="f32")
+    parser.add_argument("--jit", action="store_true", help="adopt numba kernels first (stored formats need them)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -70,7 +71,7 @@ def main() -> None:
     from fuel.runtime.model import load_model, set_threads
 
     threads = set_threads(args.threads)
-    model = load_model(None, dtype=args.dtype, max_context=512, progress=False)
+    model = load_model(None, dtype=args.dtype, max_context=512, progress=False, jit=args.jit)
     engine = model.engine
     ids = model.tokenizer.encode(model.tokenizer.format_prompt(PROMPT))
     engine.add_sequence("profile")

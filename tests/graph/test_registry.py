@@ -39,6 +39,8 @@ CASES = {
     "paged": (FusedOps.PAGED_ATTN, FusedOpParams.PagedAttn(0.5, 4),
               [([2, 4, 1, 8], F32), ([16, 4, 2, 8], F32), ([16, 4, 2, 8], F32),
                ([2, 3], DType.U32), ([2], DType.U32)]),
+    "quant_linear": (FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear("q4_1", 32),
+                     [([3, 32], F32), ([4, 20], DType.U8)]),
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fuel.runtime.gguf_loader import permute_rotary_rows
+from fuel.runtime.gguf_loader import permute_rotary_rows, unpermute_rotary_rows
 
 
 @pytest.fixture(scope="session")
@@ -71,11 +71,18 @@ def write_tiny_gguf(
     tied: bool = True,
     architecture: str = "llama",
     seed: int = 0,
+    dims: dict[str, int] | None = None,
+    quantize: dict[str, str] | None = None,
 ) -> TinyModel:
-    """Write a 2-layer llama GGUF (F32 tensors, llama.cpp's Q/K row order) with a tiny BPE vocab."""
-    import gguf
+    """Write a 2-layer llama GGUF (F32 tensors, llama.cpp's Q/K row order) with a tiny BPE vocab.
 
-    model = TinyModel(path=path, hf_tensors={})
+    ``dims`` overrides :class:`TinyModel`'s sizes; ``quantize`` maps a GGUF tensor-name suffix
+    (``attn_q.weight``) to a block type (``Q4_1``): those tensors are stored quantized by the
+    ``gguf`` package and ``hf_tensors`` holds their dequantized values (what the file means)."""
+    import gguf
+    from gguf import quants
+
+    model = TinyModel(path=path, hf_tensors={}, **(dims or {}))
     rng = np.random.default_rng(seed)
     vocab = len(TINY_TOKENS)
     writer = gguf.GGUFWriter(str(path), architecture)
@@ -102,9 +109,17 @@ def write_tiny_gguf(
 
     def tensor(gguf_name: str, hf_name: str, shape: tuple[int, ...], permute_heads: int | None = None) -> None:
         values = rng.standard_normal(shape).astype(np.float32)
-        model.hf_tensors[hf_name] = values
+        kind = next((t for suffix, t in (quantize or {}).items() if gguf_name.endswith(suffix)), None)
         stored = permute_rotary_rows(values, permute_heads) if permute_heads else values
-        writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
+        if kind is None:
+            model.hf_tensors[hf_name] = values
+            writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
+            return
+        qtype = gguf.GGMLQuantizationType[kind]
+        packed = quants.quantize(np.ascontiguousarray(stored) * np.float32(0.1), qtype)
+        meant = quants.dequantize(packed, qtype).reshape(shape)
+        model.hf_tensors[hf_name] = unpermute_rotary_rows(meant, permute_heads) if permute_heads else meant
+        writer.add_tensor(gguf_name, packed, raw_dtype=qtype)
 
     h, kv = model.hidden, model.kv_heads * model.head_dim
     tensor("token_embd.weight", "model.embed_tokens.weight", (vocab, h))
@@ -138,4 +153,10 @@ def tiny_gguf(tmp_path: Path) -> TinyModel:
 @pytest.fixture
 def make_tiny_gguf():
     """:func:`write_tiny_gguf` itself, for tests that need variants."""
+    return write_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_writer():
+    """:func:`write_tiny_gguf` for module- and session-scoped fixtures."""
     return write_tiny_gguf

@@ -557,6 +557,10 @@ class _Reader:
         if rule.kind == "weight_format":
             if not present or value is None:
                 return None
+            if key.endswith("quantization_config"):
+                from fuel.circuit.quant_config import weight_format_of
+
+                return weight_format_of(self.source, value)
             if value not in _WEIGHT_DTYPES:
                 raise RequirementViolated(self.source, where, value, " or ".join(_WEIGHT_DTYPES),
                                           "the weight formats fuel stores")
@@ -652,7 +656,10 @@ def shape_from_config(config: Mapping[str, Any], source: str | None = None,
     if m.rope is not None:
         reader.rope(m.rope, params)
     for rule in rules.values():
-        weight_format = reader.classify(rule, params, layers) or weight_format
+        fmt = reader.classify(rule, params, layers)
+        # A quantization config names the stored format; torch_dtype then only the compute's.
+        if fmt is not None and (weight_format is None or not weight_format.is_quantized):
+            weight_format = fmt
     if "head_dim" in dims:
         params["softmax_scale"] = repr(1.0 / math.sqrt(dims["head_dim"]))
     return ArchShape(m.arch, str(config["model_type"]), layers, layer_kinds, dims, params,

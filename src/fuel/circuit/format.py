@@ -49,6 +49,12 @@ class FormatKind(Enum):
     FP8 = "fp8"
     NVFP4 = "nvfp4"
     MXFP4 = "mxfp4"
+    INT4 = "int4"
+    """GPTQ/AWQ-style weight-only int4: group scales (f16) and packed 4-bit zero points."""
+    INT8 = "int8"
+    """Weight-only int8 with per-channel (f32) scales."""
+    GGUF = "gguf"
+    """A llama.cpp block format (``gguf/q4_1``): the layout names the block struct."""
 
 
 class ScaleKind(Enum):
@@ -57,6 +63,8 @@ class ScaleKind(Enum):
     CHANNEL = "channel"
     GROUP = "group"
     BLOCK = "block"
+    GGUF_BLOCK = "gguf_block"
+    """Scales stored inside each llama.cpp block (``group`` = elements per block)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +83,8 @@ class Scale:
                 return f"g{self.group}"
             case ScaleKind.BLOCK:
                 return f"block{self.block_rows}x{self.block_cols}"
+            case ScaleKind.GGUF_BLOCK:
+                return f"gguf_block{self.group}"
             case _:
                 return self.kind.value
 
@@ -88,8 +98,12 @@ class Format:
 
     kind: FormatKind
     scale: Scale | None = None
+    layout: str = ""
+    """The llama.cpp block struct of a ``gguf`` format (``q4_1``); empty for every other kind."""
 
     def name(self) -> str:
+        if self.kind is FormatKind.GGUF:
+            return f"gguf/{self.layout}"
         if self.scale is None:
             return self.kind.value
         return f"{self.kind.value}/{self.scale.name()}"
@@ -105,7 +119,8 @@ class Format:
     def edge_legal(self) -> bool:
         """Whether an activation edge may be stored in this format. Per-channel and 2-D block
         scales describe weight layouts; an activation has no fixed channel to scale."""
-        return self.scale is None or self.scale.kind not in (ScaleKind.CHANNEL, ScaleKind.BLOCK)
+        return self.scale is None or self.scale.kind not in (
+            ScaleKind.CHANNEL, ScaleKind.BLOCK, ScaleKind.GGUF_BLOCK)
 
     def bytes(self, rows: int, dim: int) -> int:
         """Bytes of a ``rows x dim`` activation (an edge) in this format, scales included; an
@@ -127,6 +142,17 @@ class Format:
             raise UnsizedFormat(self.name(), dim, self.scale.group)
         if self.kind is FormatKind.FP8:
             return rows * dim + 4 * _scale_count(self.scale, rows, dim)
+        if self.kind is FormatKind.GGUF:
+            # Whole blocks per row: a row's tail block is stored complete (llama.cpp requires
+            # rows that are a multiple of the block; a partial one would still occupy a block).
+            elements, block_bytes = GGUF_BLOCKS[self.layout]
+            return rows * _ceil_div(dim, elements) * block_bytes
+        if self.kind is FormatKind.INT8:
+            return rows * dim + 4 * _scale_count(self.scale, rows, dim)
+        if self.kind is FormatKind.INT4:
+            groups = _scale_count(self.scale, rows, dim)
+            # f16 scale per group, 4-bit zero point per group packed two to a byte.
+            return rows * ((dim + 1) // 2) + 2 * groups + _ceil_div(groups, 2)
         # 4-bit formats: two elements per byte, each row padded to a whole byte.
         data = rows * ((dim + 1) // 2)
         scales = _scale_count(self.scale, rows, dim)  # one byte each (E4M3 or E8M0)
@@ -152,6 +178,24 @@ def _scale_count(scale: Scale | None, rows: int, dim: int) -> int:
         case ScaleKind.BLOCK:
             return _ceil_div(rows, scale.block_rows) * _ceil_div(dim, scale.block_cols)
     raise AssertionError(scale)
+
+
+GGUF_BLOCKS: dict[str, tuple[int, int]] = {
+    "q4_0": (32, 18),   # f16 d, 16 bytes of nibbles
+    "q4_1": (32, 20),   # f16 d, f16 m, 16 bytes of nibbles
+    "q5_0": (32, 22),   # f16 d, 4 bytes of high bits, 16 bytes of nibbles
+    "q5_1": (32, 24),   # f16 d, f16 m, 4 bytes of high bits, 16 bytes of nibbles
+    "q8_0": (32, 34),   # f16 d, 32 int8
+    "q2_k": (256, 84),
+    "q3_k": (256, 110),
+    "q4_k": (256, 144),  # f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+    "q5_k": (256, 176),  # q4_k plus 32 bytes of high bits
+    "q6_k": (256, 210),  # 128 low nibbles, 64 high 2-bits, 16 int8 scales, f16 d
+    "q8_k": (256, 292),
+}
+"""llama.cpp block structs: ``(elements per block, bytes per block)``, scales included. Source:
+ggml-common.h's ``block_q4_0`` ... ``block_q8_K`` and the ``GGML_QUANT_SIZES`` table of the
+``gguf`` package (``gguf.constants``), which fuel's tests check this against."""
 
 
 BF16 = Format(FormatKind.BF16)
@@ -192,4 +236,26 @@ def parse(name: str) -> Format:
         if head == "mxfp4" and group != 32:
             raise FormatError(f"`{name}`: mxfp4 scales groups of exactly 32 (mxfp4/g32)")
         return Format(FormatKind(head), Scale(ScaleKind.GROUP, group=group))
+    if head == "gguf":
+        if tail not in GGUF_BLOCKS:
+            raise FormatError(f"unknown llama.cpp block format in `{name}` (expected one of "
+                              f"{', '.join('gguf/' + t for t in GGUF_BLOCKS)})")
+        return gguf_format(tail)
+    if head == "int4":
+        m = _GROUP.match(tail)
+        if not m:
+            raise FormatError(f"`{name}`: int4 takes a group scale g<n>")
+        return Format(FormatKind.INT4, Scale(ScaleKind.GROUP, group=int(m.group(1))))
+    if head == "int8":
+        if tail != "channel":
+            raise FormatError(f"`{name}`: int8 weights take per-channel scales (int8/channel)")
+        return Format(FormatKind.INT8, Scale(ScaleKind.CHANNEL))
     raise FormatError(f"unknown format `{name}`")
+
+
+def gguf_format(layout: str) -> Format:
+    """The format of a llama.cpp block struct (``q4_1``); :class:`FormatError` if unknown."""
+    if layout not in GGUF_BLOCKS:
+        raise FormatError(f"unknown llama.cpp block format `{layout}`")
+    return Format(FormatKind.GGUF, Scale(ScaleKind.GGUF_BLOCK, group=GGUF_BLOCKS[layout][0]),
+                  layout)

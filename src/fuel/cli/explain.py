@@ -16,6 +16,7 @@ JSON document (``fuel/report/explain.schema.json``).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -32,10 +33,11 @@ _RUNS = {"decode": lambda rows: ((1, 1),), "draft": lambda rows: ((1, 1),),
 
 
 def offline_step(model: str, plan_mode, plan_rows: int | None, context: int, dtype: str, backend,
-                 table=None):
+                 table=None, weights=None):
     """Plan ``model``'s step offline (the rule set's named kernels, the documented policy
-    defaults) and lower it with the circuit's weight shapes (no checkpoint is read). A
-    verify_batch step takes its runs from ``table`` (a :class:`~fuel.circuit.runs.RowTable`)."""
+    defaults) and lower it with the circuit's weight shapes (no checkpoint is read), or with
+    ``weights`` (a GGUF's packed shapes and formats: :func:`~fuel.runtime.quant_cache.planned_weights`).
+    A verify_batch step takes its runs from ``table`` (a :class:`~fuel.circuit.runs.RowTable`)."""
     from fuel.circuit.fuser import AvailableKernels, fuse, fuse_table
     from fuel.circuit.policy import build_policy
     from fuel.circuit.rules import load_builtin_rules
@@ -55,7 +57,7 @@ def offline_step(model: str, plan_mode, plan_rows: int | None, context: int, dty
     block_size = 16
     max_blocks = -(-context // block_size)
     sequences = sum(n for _, n in runs)
-    return lower(plan, circuit, expected_weight_shapes(circuit),
+    return lower(plan, circuit, weights if weights is not None else expected_weight_shapes(circuit),
                  StepShape(runs, block_size, max_blocks * sequences, max_blocks, context),
                  dtype=DType(dtype))
 
@@ -73,6 +75,7 @@ def explain_command(
     judge: Annotated[bool, typer.Option("--judge/--no-judge", help="Use this machine's Judge store.")] = True,
     jit: Annotated[bool, typer.Option("--jit/--no-jit", help="Adopt numba kernels for the step's requests first, so the adopted branches show (priced from the Judge store that `fuel run --jit` fills).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the decision record as one JSON document.")] = False,
+    weights: Annotated[Path | None, typer.Option("--weights", help="A GGUF whose stored formats the step binds (quantized matmuls show their arms).")] = None,
 ) -> None:
     """Which arms each branch had, what each cost (and whether the Judge measured it), who won, why."""
     from fuel.cli.circuit_show import plan_request
@@ -99,8 +102,13 @@ def explain_command(
     from fuel.optimize import OptimizeOptions, optimize_graph
     from fuel.optimize.render import render_explanation
 
+    planned = None
+    if weights is not None:
+        from fuel.runtime.quant_cache import planned_weights
+
+        planned, dtype = planned_weights(weights), "f32"  # packed weights compute in f32
     step = offline_step(model, plan_mode, plan_rows, context, dtype, device.backend,
-                        row_table)
+                        row_table, planned)
     table = torch_table(device.backend)
     runtime, adoption_lines = None, []
     if jit:

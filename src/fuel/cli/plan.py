@@ -51,7 +51,7 @@ def plan_command(
     network: Annotated[str, typer.Option("--network", help="Link between servers (with --nodes > 1).")] = "infiniband-ndr",
     utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="Share of each GPU's memory a rank may use (vLLM's default 0.9).")] = 0.9,
     dtype: Annotated[str | None, typer.Option("--dtype", help="Plan the run's dtype (bf16 | f16 | f32): weights and activations, as `fuel run --dtype` computes them.")] = None,
-    weights: Annotated[str | None, typer.Option("--weights", help="The weights' stored format (any format spelling, e.g. f32, fp8/channel); overrides --dtype for weights.")] = None,
+    weights: Annotated[str | None, typer.Option("--weights", help="The weights' stored format: a GGUF file (each tensor priced in its own format: Q4_1, Q8_0, ...) or one format spelling for every weight (e.g. f32, fp8/channel); overrides --dtype for weights.")] = None,
 ) -> None:
     """What MODEL does on a device: roofline, memory fit, fused plans, gaps, coverage."""
     from fuel.circuit.policy import build_policy, check_levers, parse_assignments
@@ -84,14 +84,22 @@ def plan_command(
 
     if dtype is not None and dtype not in ("bf16", "f16", "f32"):
         raise InputError("--dtype", dtype, "expected bf16, f16 or f32")
+    # --weights names a file (a GGUF: per-tensor formats) or one format for every weight.
+    weights_file = Path(weights) if weights is not None and Path(weights).is_file() else None
     try:
-        weight_format = parse_format(weights) if weights is not None else None
+        weight_format = (parse_format(weights) if weights is not None and weights_file is None
+                         else None)
     except FormatError as error:
-        raise InputError("--weights", weights, str(error)) from None
+        raise InputError("--weights", weights, f"{error} (nor is it a GGUF file)") from None
     run_format = parse_format(dtype) if dtype is not None else None
     spec = device_spec(device)
     circ = in_dtype(resolve_circuit(model, circuit, config),
                     weights=weight_format or run_format, activations=run_format)
+    if weights_file is not None:
+        from fuel.circuit.quant_config import with_weight_formats
+        from fuel.runtime.quant_cache import stored_formats
+
+        circ = with_weight_formats(circ, stored_formats(weights_file))
     policy = build_policy(parse_assignments(settings), levers)
     choice = rule_set_for(spec.title, spec.kind.value)
     if levers:

@@ -47,7 +47,9 @@ MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, max=MAX
 SpeculateOpt = Annotated[int, typer.Option("--speculate", "-k", min=0, max=MAX_SPECULATE, help="Draft K tokens per verify step (0: plain decode).")]
 DrafterOpt = Annotated[str | None, typer.Option("--drafter", help="early-exit (the circuit's draft head, the default) or prompt-lookup; needs --speculate.")]
 BatchOpt = Annotated[int, typer.Option("--batch", "-b", min=1, max=MAX_BATCH, help="Sequences decoded together (prompts repeat to fill).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="f32 or bf16.")]
+DtypeOpt = Annotated[str, typer.Option(
+    "--dtype", help="stored (a GGUF's tensors in their file formats: Q4_1, Q8_0 ... stay packed; a "
+                    "checkpoint folder as it is), or f32 / bf16 (dequantized).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, max=MAX_THREADS, help="Torch threads (default: every core).")]
 ContextOpt = Annotated[int, typer.Option("--max-context", min=16, max=MAX_CONTEXT, help="Longest sequence (prompt + generated) the KV cache holds.")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Apply the model's chat template.")]
@@ -136,6 +138,15 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
         f"[bold]{steady if steady is not None else '-'}[/] tokens/s without program builds "
         f"({rate if rate is not None else '-'} with them); prefill {result['prefill_s']:.2f} s",
         markup=True)
+    weights = result.get("weights")
+    if weights:
+        formats = ", ".join(f"{fmt} {size / 1e6:.1f} MB" for fmt, size in weights["formats"].items())
+        floor = weights["floor_ms_per_token"]
+        console.print(f"weights: {formats}; {weights['bytes_per_token'] / 1e6:.1f} MB read per "
+                      f"token; bandwidth floor {floor if floor is not None else '-'} ms/token "
+                      f"({weights['floor_tokens_per_s'] or '-'} tokens/s at "
+                      f"{weights['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, "
+                      f"{weights['bandwidth_source']})")
     builds = result["program_builds"]
     if builds:
         console.print("program builds (lower + optimize + JIT adoption + Judge measurement): " + ", ".join(
@@ -208,7 +219,7 @@ def print_jit(console: Console, result: dict[str, Any]) -> None:
 @app.command("run")
 def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens: MaxNewOpt = 64,
                 speculate: SpeculateOpt = 0, drafter: DrafterOpt = None, batch: BatchOpt = 1,
-                dtype: DtypeOpt = "f32", threads: ThreadsOpt = None, max_context: ContextOpt = 2048,
+                dtype: DtypeOpt = "stored", threads: ThreadsOpt = None, max_context: ContextOpt = 2048,
                 chat: ChatOpt = True, as_json: JsonOpt = False, jit: JitOpt = None,
                 tp: TpOpt = 1) -> None:
     """Generate text with a real model on the CPU and report what ran."""
@@ -225,7 +236,7 @@ def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens
 
 
 @app.command("demo")
-def demo_command(max_new_tokens: MaxNewOpt = 64, dtype: DtypeOpt = "f32", as_json: JsonOpt = False,
+def demo_command(max_new_tokens: MaxNewOpt = 64, dtype: DtypeOpt = "stored", as_json: JsonOpt = False,
                  jit: JitOpt = None) -> None:
     """fuel's main job: run the built-in default model (SmolLM2-135M-Instruct) on a built-in prompt."""
     run_model(None, [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=0, drafter=None,

@@ -136,6 +136,11 @@ def _prim(graph: Graph, node: Node, symbols: Mapping[str, int]) -> CostEstimate:
         values, slots = inputs[1], inputs[2]
         moved = fam.tensor_bytes(_numel(values, symbols), values.dtype.value)
         return CostEstimate(flops=0, bytes=2 * moved + fam.tensor_bytes(_numel(slots, symbols), slots.dtype.value))
+    if kind is OpKind.DEQUANTIZE:
+        # Read the packed blocks once, write f32; a multiply-add per element.
+        packed = inputs[0]
+        return fam.elementwise(out, dtype, [(_numel(packed, symbols), packed.dtype.value)],
+                               flops_per_element=2)
     raise _Unknown(f"no Layer-1 family for primitive {kind.value}")
 
 
@@ -171,6 +176,14 @@ def _fused(graph: Graph, node: Node, symbols: Mapping[str, int], context_lens: S
             batch=1, m=rows, k=last, n=w[0], dtype=dtype, out_dtype=node.dtype.value,
             bias=len(inputs) >= 3,
         )
+    if which is FusedOps.QUANT_LINEAR:
+        # The packed weight is read once (its bytes, scales included), the product in f32.
+        w = _dims(inputs[1], symbols)
+        packed = fam.tensor_bytes(math.prod(w), inputs[1].dtype.value)
+        contraction = 2 * rows * last * w[0]
+        return CostEstimate(flops=contraction, bytes=packed + fam.tensor_bytes(rows * last, dtype)
+                            + fam.tensor_bytes(rows * w[0], node.dtype.value),
+                            matrix_flops=contraction, matrix_dtype=dtype)
     if which is FusedOps.SILU_MUL:
         return fam.silu_mul(_numel(node, symbols), dtype)
     if which is FusedOps.RESIDUAL_ADD_RMS_NORM:

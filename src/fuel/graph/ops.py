@@ -114,6 +114,9 @@ class OpKind(Enum):
     # their inputs along ``dim``. Every rank runs the same graph, so every rank calls each one.
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
+    # Stored formats.
+    DEQUANTIZE = "dequantize"
+    """u8 packed llama.cpp blocks ``[..., row_bytes]`` → f32 ``[..., cols]`` (``layout``, ``cols``)."""
 
     @property
     def commutative(self) -> bool:
@@ -152,6 +155,7 @@ REQUIRED_ATTRS: dict[OpKind, tuple[str, ...]] = {
     OpKind.REPEAT_INTERLEAVE: ("repeats", "dim"), OpKind.IOTA: ("dim", "dtype"),
     OpKind.SIZE: ("dim", "dtype"), OpKind.INDEX_SELECT: ("dim",), OpKind.GATHER: ("dim",),
     OpKind.ALL_REDUCE: ("ranks",), OpKind.ALL_GATHER: ("dim", "ranks"),
+    OpKind.DEQUANTIZE: ("layout", "cols"),
 }
 """Attributes each primitive must carry (by name); others are refused by :func:`infer`."""
 
@@ -384,4 +388,22 @@ def infer(kind: OpKind, attrs: dict[str, Any], shapes: Sequence[Shape],
         dims = list(x.dims)
         dims[axis] = extent * ranks
         return Shape(tuple(dims)), dtype
+    if kind is OpKind.DEQUANTIZE:
+        return _dequantize(kind, attrs, x, dtype)
     raise AssertionError(f"no rule for {kind}")  # every OpKind has a branch above
+
+
+def _dequantize(kind: OpKind, attrs: dict[str, Any], x: Shape, dtype: DType) -> tuple[Shape, DType]:
+    from fuel.circuit.format import GGUF_BLOCKS
+
+    layout, cols = attrs["layout"], attrs["cols"]
+    if dtype is not DType.U8 or x.rank < 1:
+        raise ShapeError(kind.value, f"packed blocks are u8 [..., row_bytes], got {dtype.value} {x}")
+    if layout not in GGUF_BLOCKS or not isinstance(cols, int) or isinstance(cols, bool) or cols < 1:
+        raise ShapeError(kind.value, f"layout {layout!r} / cols {cols!r} is not a block format")
+    elements, block_bytes = GGUF_BLOCKS[layout]
+    width = x.dims[-1]
+    if cols % elements or (isinstance(width, int) and width != cols // elements * block_bytes):
+        raise ShapeError(kind.value, f"{cols} columns of {layout} need {cols // elements} whole "
+                                     f"blocks of {block_bytes} bytes per row, rows have {width}")
+    return Shape(x.dims[:-1] + (cols,)), DType.F32

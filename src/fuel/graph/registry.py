@@ -20,6 +20,8 @@ Layouts the static ops assume (the rules refuse anything else):
   ``select(dim=0, index=i)``. One node, one allocation, so a kernel writes both halves.
 - ``rope(x, cos, sin)`` is rotate-half over the last dim; ``cos``/``sin`` broadcast to ``x``.
 - ``fused_linear(x, w[, b])``: ``w`` is ``[N, K]`` (the checkpoint layout), ``x @ w.T + b``.
+- ``quant_linear(x, w)``: ``w`` is u8 ``[N, row_bytes]`` llama.cpp blocks (``QuantLinear``
+  names the layout); the recipe is ``x @ dequantize(w).T`` in f32.
 
 Invariants:
 - Static ids are ``FusedOps`` members (< 0x8000); runtime ids start at 0x8000 and are unique
@@ -61,6 +63,7 @@ class FusedOps(IntEnum):
     RESIDUAL_ADD_RMS_NORM = 7
     FLASH_ATTN = 8
     PAGED_ATTN = 9
+    QUANT_LINEAR = 10
 
 
 # Params, one frozen dataclass per op.
@@ -115,6 +118,15 @@ class PagedAttn:
 
 
 @dataclass(frozen=True, slots=True)
+class QuantLinear:
+    """``x @ dequantize(w).T`` for a weight stored as llama.cpp blocks of ``layout`` with
+    ``cols`` input features (``w`` is u8 ``[N, row_bytes]``, the file's layout)."""
+
+    layout: str
+    cols: int
+
+
+@dataclass(frozen=True, slots=True)
 class RuntimeFusedParams:
     """Values for a runtime region's open slots (name-sorted pairs)."""
 
@@ -133,6 +145,7 @@ class FusedOpParams:
     ResidualAddRmsNorm = ResidualAddRmsNorm
     FlashAttn = FlashAttn
     PagedAttn = PagedAttn
+    QuantLinear = QuantLinear
     Runtime = RuntimeFusedParams
 
 
@@ -198,6 +211,11 @@ def _recipe_rope(p: Rope) -> PatternNode:
 def _recipe_linear(p: FusedLinear) -> PatternNode:
     out = op(OpKind.MATMUL, Bind(0), op(OpKind.TRANSPOSE, Bind(1), dim0=0, dim1=1))
     return op(OpKind.ADD, out, Bind(2)) if p.has_bias else out
+
+
+def _recipe_quant_linear(p: QuantLinear) -> PatternNode:
+    weight = op(OpKind.DEQUANTIZE, Bind(1), layout=p.layout, cols=p.cols)
+    return op(OpKind.MATMUL, Bind(0), op(OpKind.TRANSPOSE, weight, dim0=0, dim1=1))
 
 
 def _recipe_silu_mul(p: SiluMul) -> PatternNode:
@@ -310,6 +328,20 @@ def _rule_linear(p: FusedLinear, shapes, dtypes):
     return Shape(x.dims[:-1] + (w.dims[0],)), _floats("fused_linear", dtypes)
 
 
+def _rule_quant_linear(p: QuantLinear, shapes, dtypes):
+    from fuel.circuit.format import GGUF_BLOCKS
+
+    x, w = shapes
+    _need("quant_linear", p.layout in GGUF_BLOCKS, f"layout {p.layout!r} is not a block format")
+    elements, block_bytes = GGUF_BLOCKS[p.layout]
+    _need("quant_linear", x.rank >= 2 and w.rank == 2 and x.dims[-1] == p.cols
+          and p.cols % elements == 0 and w.dims[1] == p.cols // elements * block_bytes,
+          f"x {x} and packed w {w} need x [..., {p.cols}], w [N, {p.cols // elements * block_bytes}]")
+    _need("quant_linear", dtypes[0] is DType.F32 and dtypes[1] is DType.U8,
+          f"x f32 and w u8 expected, got {dtypes[0].value}, {dtypes[1].value}")
+    return Shape(x.dims[:-1] + (w.dims[0],)), DType.F32
+
+
 def _heads(name: str, q: Shape, kv_heads: Any) -> None:
     _need(name, isinstance(q.dims[1], int) and isinstance(kv_heads, int) and kv_heads > 0
           and q.dims[1] % kv_heads == 0, f"q heads {q.dims[1]} not a multiple of kv heads {kv_heads}")
@@ -379,6 +411,8 @@ SPECS: dict[FusedOps, FusedOpSpec] = {spec.id: spec for spec in (
                 _recipe_paged,
                 lambda p, d: {"softmax_scale": p.softmax_scale, "block_size": p.block_size,
                               "index_dtype": d[3], **_softcap_slots(p.softcap)}),
+    FusedOpSpec(FusedOps.QUANT_LINEAR, "quant_linear", QuantLinear, lambda p: 2,
+                _rule_quant_linear, _recipe_quant_linear),
 )}
 
 

@@ -39,6 +39,7 @@ from fuel.graph.ir import Fused, Graph, Node
 from fuel.graph.recipe import EmitRefused, emit, structural_hash
 from fuel.graph.registry import RegionRefused, RuntimeFusedParams, RuntimeFusedRegistry, fused_name
 from fuel.jit.paged import match_paged
+from fuel.jit.quant_gemv import match_quant_linear
 from fuel.jit.protocol import Declined, JitRequest, SynthesisResult, Synthesized, Synthesizer
 from fuel.kernels.table import RECIPE_TOLERANCE, KernelBindingTable, KernelEntry, Precision
 
@@ -265,10 +266,16 @@ def _generate(request: JitRequest, generator) -> list[Any] | str:
     from fuel.kernels.torch_kernels import torch_dtype
 
     paged = match_paged(request.region)
+    quant = match_quant_linear(request.region)
     inputs: list[Any] = []
     for index, operand in enumerate(request.inputs):
         dtype = operand.dtype.dtype
-        if dtype.is_float:
+        if quant is not None and index == 1:
+            from fuel.kernels.quant_blocks import random_blocks
+
+            # Valid packed blocks (finite f16 scales of a real weight's size), not raw bytes.
+            inputs.append(random_blocks(quant.layout, operand.shape[0], quant.cols, generator))
+        elif dtype.is_float:
             inputs.append(torch.randn(operand.shape, generator=generator).to(torch_dtype(dtype)))
         elif paged is None:
             return f"operand {index} ({operand}) is an index operand outside paged attention: " \

@@ -42,6 +42,7 @@ from typing import Any
 
 from fuel.graph.dtype import BackendId, DType
 from fuel.jit import cache
+from fuel.jit.quant_gemv import match_quant_linear, plan_quant
 from fuel.jit.paged import PagedRegion, match_paged
 from fuel.jit.protocol import (
     ArchSku, Declined, ElementKind, JitRequest, SynthesisResult, Synthesized, SynthesizedKernel,
@@ -134,6 +135,10 @@ def _plan(request: JitRequest):
     paged = match_paged(request.region)
     if paged is not None:
         return _plan_paged(request, paged)
+    quant = match_quant_linear(request.region)
+    if quant is not None:
+        planned = plan_quant(quant)
+        return Declined(planned) if isinstance(planned, str) else planned
     if not all(kind in _FLOAT_KINDS for kind in kinds):
         return Declined("row-wise kernels take float operands only; got "
                         + ", ".join(k.value for k in kinds))

@@ -130,6 +130,7 @@ def _prim_factories() -> dict[OpKind, KernelFactory]:
         OpKind.SIZE: lambda n: (lambda x, d=a(n)["dim"], t=torch_dtype(a(n)["dtype"]):
                                 torch.tensor(x.shape[d], device=x.device).to(t)),
         OpKind.INDEX_SELECT: _index_select,
+        OpKind.DEQUANTIZE: _dequantize,
         OpKind.GATHER: lambda n: (lambda x, i, d=a(n)["dim"]: torch.gather(x, d, i)),
         OpKind.KV_CACHE_WRITE: _kv_cache_write,
         OpKind.ALL_REDUCE: _collective,
@@ -186,14 +187,26 @@ def _prim_signatures(kind: OpKind) -> Iterable[tuple[DType, ...]]:
         return ((d,) * count + (d,) for d in ANY for count in range(1, MAX_CONCAT_INPUTS + 1))
     if kind in (OpKind.IOTA, OpKind.SIZE):
         return ((s, t) for s in ANY for t in INDEX)
-    if kind in (OpKind.INDEX_SELECT, OpKind.GATHER):
+    if kind is OpKind.INDEX_SELECT:
+        # u8 too: packed quantized rows (an embedding's blocks) are gathered before dequantizing.
+        return ((d, i, d) for d in (*ANY, DType.U8) for i in INDEX)
+    if kind is OpKind.GATHER:
         return ((d, i, d) for d in ANY for i in INDEX)
     if kind is OpKind.KV_CACHE_WRITE:
         return ((d, d, i, d) for d in FLOAT_DTYPES for i in INDEX)
     if kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER):
         return ((d, d) for d in FLOAT_DTYPES)
+    if kind is OpKind.DEQUANTIZE:
+        return ((DType.U8, DType.F32),)
     # Layout ops move data of any dtype.
     return ((d, d) for d in ANY)
+
+
+def _dequantize(node: Node):
+    from fuel.kernels.quant_blocks import dequantize
+
+    attrs = _attrs(node)
+    return lambda packed, layout=attrs["layout"], cols=attrs["cols"]: dequantize(packed, layout, cols)
 
 
 def _via_int64(factory: KernelFactory, output: DType) -> KernelFactory:

@@ -195,7 +195,9 @@ def _branch_adopted(graph: Graph, node_id: NodeId, root: NodeId, roots: tuple[No
                if r != root and not isinstance(graph.node(r).op, Branch)]
     merge: NodeId
     identity: NodeId | None = None
-    if len(readers) == 1 and node_id not in roots:
+    # A fused reader may itself be lowered to its recipe later, and that recipe would read the
+    # arm-0 root directly, keeping the losing arm alive: such a reader gets an identity merge.
+    if len(readers) == 1 and node_id not in roots and not isinstance(graph.node(readers[0]).op, Fused):
         merge = readers[0]
         graph.rewire(merge, node_id, root)
     elif all(isinstance(d, int) for d in node.shape.dims):

@@ -291,10 +291,18 @@ def _embed(low: _Lowerer, group: Group, kernel: str) -> None:
     (node,) = _members(low, group)
     table = low.weight(node.bindings[0])
     shard = low.circuit.rank.shard_of(node.bindings[0]) if low.circuit.rank is not None else None
+    layout = low.layout_of(node.bindings[0])
     if shard is not None:
+        if layout:
+            raise UnsupportedParam(node.id, "weight layout (vocabulary-parallel embedding)",
+                                   f"{layout}: packed rows are not split by rank; use --dtype f32")
         low.write(node, 0, _vocab_parallel_lookup(low, table, shard.start, shard.end))
         return
-    low.write(node, 0, low.graph.prim(OpKind.INDEX_SELECT, table, low.input_tokens(), dim=0))
+    rows = low.graph.prim(OpKind.INDEX_SELECT, table, low.input_tokens(), dim=0)
+    if layout:  # packed rows are gathered, then only those rows dequantized
+        cols = int(low.circuit.edges[node.outputs[0]].dim_value)
+        rows = low.graph.prim(OpKind.DEQUANTIZE, rows, layout=layout, cols=cols)
+    low.write(node, 0, rows)
 
 
 def _vocab_parallel_lookup(low: _Lowerer, table: NodeId, start: int, end: int) -> NodeId:
@@ -367,8 +375,24 @@ def _split_bindings(node: CircuitNode) -> tuple[tuple[str, ...], tuple[str, ...]
     return weights, biases
 
 
+def _quant_linear_node(low: _Lowerer, node: CircuitNode, weights: tuple[str, ...],
+                       biases: tuple[str, ...]) -> None:
+    """A linear over packed weights: one ``Fused QUANT_LINEAR`` per weight (packed tensors are
+    never concatenated: that would copy them), outputs joined along the features."""
+    g = low.graph
+    x = low.read(node, 0)
+    parts = [low.quant_linear(x, name) for name in weights]
+    out = parts[0] if len(parts) == 1 else g.prim(OpKind.CONCAT, *parts, dim=1)
+    if biases:
+        out = g.prim(OpKind.ADD, out, low.weight_concat(biases))
+    low.write(node, 0, out)
+
+
 def _linear_node(low: _Lowerer, node: CircuitNode) -> None:
     weights, biases = _split_bindings(node)
+    if any(low.layout_of(name) for name in weights):
+        _quant_linear_node(low, node, weights, biases)
+        return
     w = low.weight_concat(weights)
     operands = [low.read(node, 0), w]
     if biases:
@@ -399,6 +423,10 @@ def _qkv_projection(low: _Lowerer, group: Group, kernel: str) -> None:
     if any(b for _, b in split) and not has_bias:
         raise ConstructionMismatch(group.rule, kernel, "q, k, v all with or all without bias",
                                    ", ".join(m.id for m in members))
+    if any(low.layout_of(name) for ws, _ in split for name in ws):
+        for member in members:  # packed weights: one quantized matmul per projection
+            _linear_node(low, member)
+        return
     w = low.weight_concat(tuple(name for ws, _ in split for name in ws))
     operands = [low.read(members[0], 0), w]
     if has_bias:
@@ -641,9 +669,10 @@ _GRAPH_DTYPES = {"float32": DType.F32, "bfloat16": DType.BF16}
 
 class _Lowerer:
     def __init__(self, circuit: Circuit, plan: FusionPlan, weight_shapes: Mapping[str, tuple[int, ...]],
-                 dtype: DType, shape: StepShape):
+                 dtype: DType, shape: StepShape, layouts: Mapping[str, str] | None = None):
         self.circuit, self.plan, self.dtype, self.shape = circuit, plan, dtype, shape
         self.weight_shapes = weight_shapes
+        self.layouts: Mapping[str, str] = layouts or {}
         self.rows = shape.rows
         self.graph = Graph()
         self.edges: dict[int, NodeId] = {}
@@ -719,8 +748,20 @@ class _Lowerer:
 
     def weight(self, name: str) -> NodeId:
         if name not in self._weights:
-            self._weights[name] = self.graph.weight(name, self.weight_shapes[name], self.dtype)
+            dtype = DType.U8 if self.layout_of(name) else self.dtype
+            self._weights[name] = self.graph.weight(name, self.weight_shapes[name], dtype)
         return self._weights[name]
+
+    def layout_of(self, name: str) -> str:
+        """The llama.cpp block layout of a packed weight (``q4_1``), empty for a plain one."""
+        return self.layouts.get(name, "")
+
+    def quant_linear(self, x: NodeId, name: str) -> NodeId:
+        """``x @ dequantize(W).T`` over the packed weight ``name`` (in f32)."""
+        packed = self.weight(name)
+        cols = self.graph.node(x).shape.dims[-1]
+        params = FusedOpParams.QuantLinear(layout=self.layout_of(name), cols=int(cols))
+        return self.graph.fused(FusedOps.QUANT_LINEAR, params, x, packed)
 
     def weight_concat(self, sources: tuple[str, ...]) -> NodeId:
         if len(sources) == 1:
@@ -799,7 +840,26 @@ def lower(plan: FusionPlan, circuit: Circuit, weights: Mapping[str, Any], shape:
     shapes = _ShapeView(weights)
     if dtype is None:
         dtype = _dtype_of(weights)
-    return _Lowerer(circuit, plan, shapes, dtype, shape).run()
+    return _Lowerer(circuit, plan, shapes, dtype, shape, packed_layouts(weights)).run()
+
+
+def packed_layouts(weights: Mapping[str, Any]) -> dict[str, str]:
+    """Binding path → llama.cpp block layout of every packed weight (``Weights.formats`` or a
+    :class:`~fuel.runtime.program.WeightStore` over one; empty for plain weights)."""
+    format_of = getattr(weights, "format_of", None)
+    if format_of is None:
+        return {}
+    layouts = {}
+    for name in weights:
+        fmt = format_of(name)
+        if fmt and fmt.startswith("gguf/"):
+            layouts[name] = fmt.removeprefix("gguf/")
+    aliases = getattr(weights, "aliases", None) or getattr(getattr(weights, "_tensors", None), "aliases", {})
+    for alias in aliases or {}:
+        fmt = format_of(alias)
+        if fmt and fmt.startswith("gguf/"):
+            layouts[alias] = fmt.removeprefix("gguf/")
+    return layouts
 
 
 class _ShapeView(Mapping[str, tuple[int, ...]]):
@@ -823,6 +883,8 @@ def _dtype_of(weights: Mapping[str, Any]) -> DType:
     dtype = getattr(weights, "dtype", None)
     if dtype is not None and hasattr(dtype, "value") and dtype.value in ("f32", "bf16"):
         return DType(dtype.value)
+    if dtype is not None and getattr(dtype, "value", None) == "stored":
+        return DType.F32  # packed weights compute in f32
     for value in weights.values():
         return _GRAPH_DTYPES.get(str(getattr(value, "dtype", "")).removeprefix("torch."), DType.F32)
     return DType.F32
@@ -861,5 +923,5 @@ __all__ = [
     "ConstructionMismatch", "DerivedKind", "DerivedWeight", "Llama3RopeScaling", "LowerError",
     "NoConstruction", "StepGraph", "StepShape", "StepShapeError", "UnsupportedParam",
     "block_table_input", "concat_name", "construction_for", "context_lens_input",
-    "expected_weight_shapes", "lower", "rope_inverse_frequencies", "rope_table",
+    "expected_weight_shapes", "lower", "packed_layouts", "rope_inverse_frequencies", "rope_table",
 ]

@@ -203,6 +203,7 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
         "bake_decisions": bakes,
         "routes": route_report(stats),
         "jit": _jit_report(model),
+        "weights": _weights_report(model),
     }
     if speculate:
         proposed = sum(getattr(o, "speculation").proposed for o in outs)
@@ -219,6 +220,12 @@ def route_report(stats: Any) -> list[dict[str, Any]]:
     return [{"mode": mode, "branch": branch, "arm": arm, "device": device, "reason": reason,
              "steps": count}
             for (mode, branch, arm, device, reason), count in sorted(stats.routes.items())]
+
+
+def _weights_report(model: Model) -> dict[str, Any]:
+    from fuel.runtime.quant_cache import decode_traffic
+
+    return decode_traffic(model.weights)
 
 
 def _jit_report(model: Model) -> dict[str, Any]:

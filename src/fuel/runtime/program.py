@@ -90,6 +90,11 @@ class WeightStore(Mapping[str, "torch.Tensor"]):
     def __contains__(self, name: object) -> bool:
         return name in self._derived or name in self._tensors
 
+    def format_of(self, name: str) -> str | None:
+        """The packed format of a checkpoint tensor (``Weights.format_of``), None when plain."""
+        format_of = getattr(self._tensors, "format_of", None)
+        return format_of(name) if format_of is not None else None
+
 
 @dataclass(frozen=True, slots=True)
 class BakeSummary:

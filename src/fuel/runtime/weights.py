@@ -121,6 +121,8 @@ class DType(Enum):
 
     F32 = "f32"
     BF16 = "bf16"
+    STORED = "stored"
+    """Each tensor in the format its file stores (GGUF blocks stay packed; computed in f32)."""
 
     @classmethod
     def parse(cls, value: DType | str) -> DType:
@@ -129,13 +131,14 @@ class DType(Enum):
         try:
             return cls(value)
         except ValueError:
-            raise InputError("--dtype", "dtype", f"{value!r} is not one of f32, bf16") from None
+            raise InputError("--dtype", "dtype", f"{value!r} is not one of f32, bf16, stored") from None
 
     @property
     def torch(self) -> torch.dtype:
         import torch
 
-        return {DType.F32: torch.float32, DType.BF16: torch.bfloat16}[self]
+        return {DType.F32: torch.float32, DType.BF16: torch.bfloat16,
+                DType.STORED: torch.float32}[self]
 
 
 class SourceKind(Enum):
@@ -162,6 +165,19 @@ class Weights(Mapping[str, "torch.Tensor"]):
     source: WeightsSource
     dtype: DType
     aliases: Mapping[str, str] = field(default_factory=dict)
+    formats: Mapping[str, str] = field(default_factory=dict)
+    """Format names of tensors held packed (``gguf/q4_1``: a u8 ``[rows, row_bytes]`` tensor);
+    a tensor not named here is a plain float tensor (:mod:`fuel.runtime.quant_cache`)."""
+
+    def format_of(self, name: str) -> str | None:
+        """The packed format of ``name`` (aliases resolved), or None for a plain tensor."""
+        return self.formats.get(self.aliases.get(name, name))
+
+    def logical_shape(self, name: str) -> tuple[int, ...]:
+        """The shape the model sees (``[rows, cols]`` for a packed tensor)."""
+        from fuel.runtime.quant_cache import logical_shape
+
+        return logical_shape(self[name], self.format_of(name))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[self.aliases.get(name, name)]
@@ -224,9 +240,15 @@ def load_weights(
     dtype = DType.parse(dtype)
     path = Path(source) if source is not None else default_model_path()
     if path.is_dir():
-        return _load_folder(path, path, SourceKind.CHECKPOINT_FOLDER, dtype)
+        # A checkpoint folder's tensors are plain floats: "stored" reads them as they are (f32).
+        return _load_folder(path, path, SourceKind.CHECKPOINT_FOLDER,
+                            DType.F32 if dtype is DType.STORED else dtype)
     if not path.exists():
         raise WeightsFileMissing(str(path), "model file or checkpoint folder")
+    if dtype is DType.STORED:
+        from fuel.runtime.quant_cache import load_stored
+
+        return load_stored(path, cache=cache, progress=progress)
     folder = convert_gguf(path, cache=cache, progress=progress)
     return _load_folder(folder, path, SourceKind.GGUF, dtype)
 
@@ -420,7 +442,7 @@ def check_weights(weights: Weights, expected: Mapping[str, tuple[int, ...]]) -> 
         if name not in weights:
             missing[name] = want
             continue
-        got = tuple(weights[name].shape)
+        got = weights.logical_shape(name)
         if got != want:
             misshaped[name] = (got, want)
     unexpected = {name: tuple(tensor.shape) for name, tensor in weights.tensors.items() if name not in expected}

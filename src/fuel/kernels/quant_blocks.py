@@ -1,0 +1,136 @@
+"""llama.cpp block formats as tensors: which GGUF types fuel reads, how a packed row is shaped,
+the reference dequantizer, and valid random blocks for tests and JIT verification.
+
+Decides:
+- The GGUF tensor types fuel maps (:data:`GGUF_TYPES`): F32/F16/BF16 are plain formats, the
+  block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) are ``gguf/<layout>``
+  weight formats (:func:`fuel.circuit.format.gguf_format`). Any other type is refused by name.
+- A block-quantized ``[rows, cols]`` weight is held exactly as the file stores it: a u8 tensor
+  ``[rows, blocks_per_row * block_bytes]`` (llama.cpp's layout: each row a run of block structs,
+  scales inside each block). That layout *is* the packed layout every kernel here reads.
+- :func:`dequantize` is the meaning of a packed row (the ``dequantize`` primitive's CPU
+  kernel, arm 0 of every quantized matmul): it calls the ``gguf`` package's reference
+  dequantizer (the one llama.cpp's Python tools use), so fuel never carries its own copy of the
+  recipe it is checked against.
+
+Invariants:
+- ``packed_row_bytes(layout, cols) * ... `` equals ``Format.bytes`` for that layout (one table:
+  :data:`fuel.circuit.format.GGUF_BLOCKS`).
+- :func:`random_blocks` produces blocks whose every scale is a finite f16 of realistic size, so
+  dequantized values are finite and the kernels' tolerances are meaningful.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fuel.circuit.format import GGUF_BLOCKS, Format, FormatError, gguf_format, parse
+from fuel.errors import FuelError
+
+PLAIN_GGUF_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+"""GGUF types stored as plain floats (loaded as tensors of that dtype)."""
+
+GGUF_TYPES = {**PLAIN_GGUF_TYPES, **{layout.upper(): f"gguf/{layout}" for layout in GGUF_BLOCKS}}
+"""GGUF tensor type name (``gguf.GGMLQuantizationType`` member) → fuel format name."""
+
+KERNEL_LAYOUTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+"""Block layouts with a synthesized quantized-matmul kernel (``fuel.jit.quant_gemv``); the other
+block layouts run their dequantized arm only."""
+
+
+class UnsupportedTensorType(FuelError):
+    """A GGUF tensor stored in a type fuel cannot run, named with the tensor."""
+
+    def __init__(self, path: str, tensor: str, tensor_type: str):
+        self.path, self.tensor, self.tensor_type = path, tensor, tensor_type
+        super().__init__(f"{path}: tensor `{tensor}` is stored as {tensor_type}, which fuel "
+                         f"cannot run (it runs {', '.join(GGUF_TYPES)})")
+
+
+def format_of_gguf_type(type_name: str) -> Format | None:
+    """The fuel format of a GGUF tensor type name, or None when fuel does not map it."""
+    name = GGUF_TYPES.get(type_name)
+    return parse(name) if name is not None else None
+
+
+def block_shape(layout: str) -> tuple[int, int]:
+    """``(elements per block, bytes per block)`` of a llama.cpp block layout."""
+    if layout not in GGUF_BLOCKS:
+        raise FormatError(f"unknown llama.cpp block format `{layout}`")
+    return GGUF_BLOCKS[layout]
+
+
+def packed_row_bytes(layout: str, cols: int) -> int:
+    """Bytes of one packed row of ``cols`` elements (``cols`` must fill whole blocks)."""
+    elements, block_bytes = block_shape(layout)
+    if cols % elements:
+        raise FormatError(f"gguf/{layout} rows hold whole blocks of {elements}; {cols} does not")
+    return cols // elements * block_bytes
+
+
+def _qtype(layout: str):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType[layout.upper()]
+
+
+def dequantize(packed: Any, layout: str, cols: int):
+    """f32 ``[..., cols]`` values of packed rows ``[..., row_bytes]`` (torch u8 in, torch out),
+    by the ``gguf`` package's reference dequantizer."""
+    import numpy as np
+    import torch
+    from gguf import quants
+
+    lead = tuple(packed.shape[:-1])
+    rows = packed.reshape(-1, packed.shape[-1]).contiguous().numpy()
+    values = quants.dequantize(rows, _qtype(layout))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(*lead, cols)
+
+
+# Byte offsets of each layout's f16 fields (the scales) inside one block.
+_F16_FIELDS = {
+    "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+    "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q2_k": (80, 82), "q3_k": (108,),
+}
+
+
+# Scale ranges giving weights of a trained model's size (|w| up to ~0.3): a scale multiplies
+# quants up to 127 (q8_0), 15-31 (q4/q5) or a 6-bit sub-scale times 15-63 (K-quants).
+_SCALE_RANGES = {"q8_0": (0.0002, 0.002), "q4_k": (0.0002, 0.001), "q5_k": (0.0001, 0.0005),
+                 "q6_k": (0.0002, 0.001), "q2_k": (0.0005, 0.002), "q3_k": (0.0005, 0.002)}
+
+
+def random_blocks(layout: str, rows: int, cols: int, generator: Any):
+    """A u8 ``[rows, row_bytes]`` tensor of valid blocks: random quants, f16 scales of the size
+    real weights have (``_SCALE_RANGES``; ``U(0.002, 0.02)`` for the 4/5-bit formats, offsets of
+    the ``_1`` formats from ``U(-0.1, 0.1)``). ``q8_k`` (an activation format) has no f16 scale and is refused."""
+    import torch
+
+    elements, block_bytes = block_shape(layout)
+    if layout not in _F16_FIELDS:
+        raise FormatError(f"gguf/{layout} is not a weight format with f16 scales")
+    blocks = rows * (cols // elements)
+    data = torch.randint(0, 256, (blocks, block_bytes), generator=generator, dtype=torch.uint8)
+    for index, offset in enumerate(_F16_FIELDS[layout]):
+        low, high = _SCALE_RANGES.get(layout, (0.002, 0.02)) if index == 0 else (-0.1, 0.1)
+        if layout.endswith("_k") and index == 1:
+            low, high = _SCALE_RANGES[layout]  # dmin scales the (unsigned) 6-bit mins
+        scale = torch.empty(blocks, dtype=torch.float32).uniform_(low, high, generator=generator)
+        data[:, offset:offset + 2] = scale.to(torch.float16).view(torch.uint8).reshape(blocks, 2)
+    return data.reshape(rows, packed_row_bytes(layout, cols))
+
+
+def quantize_reference(values: Any, layout: str):
+    """Packed rows of f32 ``[rows, cols]`` values by the ``gguf`` package's quantizer (it has
+    quantizers for the 32-element formats, not the K-quants)."""
+    import numpy as np
+    import torch
+    from gguf import quants
+
+    packed = quants.quantize(values.float().contiguous().numpy(), _qtype(layout))
+    return torch.from_numpy(np.ascontiguousarray(packed, dtype=np.uint8))
+
+
+__all__ = ["GGUF_TYPES", "KERNEL_LAYOUTS", "PLAIN_GGUF_TYPES", "UnsupportedTensorType",
+           "block_shape", "dequantize", "format_of_gguf_type", "gguf_format", "packed_row_bytes",
+           "quantize_reference", "random_blocks"]

@@ -1,0 +1,269 @@
+"""Weights in their stored formats: a GGUF's block-quantized tensors kept packed, converted once.
+
+Decides how ``--dtype stored`` reads a GGUF: every tensor whose type is a llama.cpp block format
+(:data:`fuel.kernels.quant_blocks.GGUF_TYPES`) stays as its file bytes, a u8 tensor
+``[rows, row_bytes]`` (the layout the quantized kernels read); plain tensors (F32/F16/BF16:
+norm gains) are f32. The result is written once to the cache as a Hugging Face style folder
+(``config.json``, ``model.safetensors`` with the formats in its metadata, the tokenizer files)
+and loaded from there.
+
+Invariants:
+- Same packed bytes as the file, reordered only where llama.cpp's converter permuted rows (Q and
+  K projections: :func:`~fuel.runtime.gguf_loader.unpermute_rotary_rows` moves whole rows, so a
+  block never straddles it), so dequantizing a packed row equals the f32 conversion's row.
+- The cache folder's name carries the SHA-256 of the GGUF bytes and :data:`STORED_VERSION`; it
+  is written into a staging folder and renamed into place (an interrupted conversion leaves
+  nothing; two converters end with one complete folder).
+- A tensor type fuel cannot run raises
+  :class:`~fuel.kernels.quant_blocks.UnsupportedTensorType` naming the tensor and its type.
+- Resident weight bytes are the packed bytes plus the f32 plain tensors (:func:`resident_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fuel.circuit.format import parse
+from fuel.runtime.gguf_loader import CorruptWeightsFile, UnsupportedGguf, WeightsFileMissing
+
+STORED_VERSION = 1
+"""Bump when the stored folder's content would change for the same GGUF bytes."""
+
+_FORMATS_KEY = "fuel.formats"
+
+
+def logical_shape(tensor: Any, format_name: str | None) -> tuple[int, ...]:
+    """The model-facing shape of a tensor held in ``format_name`` (None: its own shape)."""
+    shape = tuple(int(d) for d in tensor.shape)
+    if format_name is None:
+        return shape
+    fmt = parse(format_name)
+    from fuel.kernels.quant_blocks import block_shape
+
+    elements, block_bytes = block_shape(fmt.layout)
+    return (*shape[:-1], shape[-1] // block_bytes * elements)
+
+
+def stored_folder(path: Path, cache: Path | None = None) -> Path:
+    from fuel.runtime.weights import cache_dir, gguf_digest
+
+    key = f"{path.stem}-{gguf_digest(path)[:16]}-stored-v{STORED_VERSION}"
+    return (cache or cache_dir()) / "weights" / key
+
+
+def packed_tensors(model: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(tensors, formats)`` of a parsed GGUF: packed u8 rows for block types, f32 otherwise."""
+    import numpy as np
+    import torch
+    from gguf import quants
+
+    from fuel.kernels.quant_blocks import PLAIN_GGUF_TYPES, UnsupportedTensorType, format_of_gguf_type
+    from fuel.runtime.gguf_loader import hf_tensor_name, unpermute_rotary_rows
+
+    heads = model.required_int("attention.head_count")
+    kv_heads = int(model.metadata.get(f"{model.architecture}.attention.head_count_kv", heads))
+    tensors: dict[str, Any] = {}
+    formats: dict[str, str] = {}
+    for tensor in model._reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            raise UnsupportedGguf(str(model.path), tensor.name,
+                                  "tensor has no Hugging Face llama counterpart")
+        type_name = tensor.tensor_type.name
+        fmt = format_of_gguf_type(type_name)
+        if fmt is None:
+            raise UnsupportedTensorType(str(model.path), tensor.name, type_name)
+        logical = tuple(int(d) for d in reversed(tensor.shape))
+        if type_name in PLAIN_GGUF_TYPES:
+            array = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            array = array.reshape(logical)
+        else:
+            array = np.array(tensor.data, dtype=np.uint8).reshape(logical[0] if len(logical) > 1 else 1, -1)
+            formats[name] = fmt.name()
+        if ".self_attn.q_proj." in name:
+            array = unpermute_rotary_rows(array, heads)
+        elif ".self_attn.k_proj." in name:
+            array = unpermute_rotary_rows(array, kv_heads)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+    return tensors, formats
+
+
+def convert_gguf_stored(path: str | Path, *, cache: Path | None = None) -> Path:
+    """Write the stored-format folder of a GGUF into the cache, once; return the folder."""
+    from safetensors.torch import save_file
+
+    from fuel.runtime.gguf_loader import hf_config, read_gguf
+    from fuel.runtime.tokenizer import tokenizer_from_gguf_metadata
+
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsFileMissing(str(path), "GGUF file")
+    final = stored_folder(path, cache)
+    if (final / "model.safetensors").is_file():
+        return final
+    model = read_gguf(path)
+    config = hf_config(model)
+    tokenizer = tokenizer_from_gguf_metadata(model.metadata, source=str(path))
+    tensors, formats = packed_tensors(model)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={
+            "format": "pt", "converted_from": path.name, _FORMATS_KEY: json.dumps(formats, sort_keys=True)})
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save(staging)
+        staging.chmod(0o755)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not (final / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def load_stored(path: str | Path, *, cache: Path | None = None, progress: bool = True):
+    """:class:`~fuel.runtime.weights.Weights` of a GGUF in its stored formats (``dtype`` STORED)."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    from fuel.runtime.weights import DType, SourceKind, Weights, WeightsSource
+
+    path = Path(path)
+    folder = convert_gguf_stored(path, cache=cache)
+    target = folder / "model.safetensors"
+    try:
+        with safe_open(str(target), framework="pt") as handle:
+            formats = json.loads((handle.metadata() or {}).get(_FORMATS_KEY, "{}"))
+        tensors = load_file(str(target))
+        config = json.loads((folder / "config.json").read_text())
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CorruptWeightsFile(str(target), f"not a readable stored-format cache ({error})") from error
+    if not isinstance(formats, dict) or any(name not in tensors for name in formats):
+        raise CorruptWeightsFile(str(target), f"metadata `{_FORMATS_KEY}` names tensors it lacks")
+    aliases: dict[str, str] = {}
+    if config.get("tie_word_embeddings", False) and "lm_head.weight" not in tensors:
+        aliases["lm_head.weight"] = "model.embed_tokens.weight"
+    return Weights(tensors, config, WeightsSource(path, SourceKind.GGUF, folder), DType.STORED,
+                   aliases, formats)
+
+
+def resident_bytes(weights: Mapping[str, Any]) -> int:
+    """Bytes of distinct weight storage (packed bytes as they are, aliases once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in getattr(weights, "tensors", weights).values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def weight_formats(weights: Mapping[str, Any]) -> dict[str, int]:
+    """Distinct weight bytes per format name (plain tensors under their dtype: ``f32``)."""
+    packed = getattr(weights, "formats", {})
+    out: dict[str, int] = {}
+    for name, tensor in getattr(weights, "tensors", weights).items():
+        fmt = packed.get(name) or str(tensor.dtype).removeprefix("torch.").replace("float", "f")
+        out[fmt] = out.get(fmt, 0) + tensor.numel() * tensor.element_size()
+    return dict(sorted(out.items()))
+
+
+class PlannedWeights(Mapping[str, tuple[int, ...]]):
+    """Weight shapes by binding path as a stored-format run binds them (packed ``[rows,
+    row_bytes]`` for block tensors), with their formats: what lowering needs to plan a GGUF's
+    step without reading its tensor data."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], formats: Mapping[str, str],
+                 aliases: Mapping[str, str]):
+        self._shapes, self.formats, self.aliases = dict(shapes), dict(formats), dict(aliases)
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        return self._shapes[self.aliases.get(name, name)]
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def format_of(self, name: str) -> str | None:
+        return self.formats.get(self.aliases.get(name, name))
+
+
+def stored_formats(path: str | Path) -> dict[str, Any]:
+    """Binding path → stored :class:`~fuel.circuit.format.Format` of every tensor of a GGUF
+    (block tensors their ``gguf/<layout>``, plain ones their float format), aliases included."""
+    from fuel.runtime.gguf_loader import read_gguf
+    from fuel.kernels.quant_blocks import format_of_gguf_type
+
+    planned = planned_weights(path)
+    model = read_gguf(path)
+    from fuel.runtime.gguf_loader import hf_tensor_name
+
+    out = {hf_tensor_name(t.name): format_of_gguf_type(t.tensor_type.name) for t in model._reader.tensors}
+    for alias, target in planned.aliases.items():
+        out[alias] = out[target]
+    return out
+
+
+def planned_weights(path: str | Path) -> PlannedWeights:
+    """The packed shapes and formats of a GGUF's tensors, from its header alone."""
+    from fuel.kernels.quant_blocks import PLAIN_GGUF_TYPES, UnsupportedTensorType, format_of_gguf_type
+    from fuel.runtime.gguf_loader import hf_tensor_name, read_gguf
+
+    model = read_gguf(path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    formats: dict[str, str] = {}
+    for tensor in model._reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        fmt = format_of_gguf_type(tensor.tensor_type.name)
+        if name is None:
+            raise UnsupportedGguf(str(model.path), tensor.name, "tensor has no Hugging Face llama counterpart")
+        if fmt is None:
+            raise UnsupportedTensorType(str(model.path), tensor.name, tensor.tensor_type.name)
+        logical = tuple(int(d) for d in reversed(tensor.shape))
+        if tensor.tensor_type.name in PLAIN_GGUF_TYPES:
+            shapes[name] = logical
+        else:
+            shapes[name] = tuple(int(d) for d in tensor.data.shape)
+            formats[name] = fmt.name()
+    aliases = {} if "lm_head.weight" in shapes else {"lm_head.weight": "model.embed_tokens.weight"}
+    return PlannedWeights(shapes, formats, aliases)
+
+
+def decode_traffic(weights: Any, spec: Any = None) -> dict[str, Any]:
+    """What one decode step reads of the weights, by format, and the bandwidth floor for it.
+
+    Every distinct tensor is read once per token, except an untied embedding (one row of it);
+    a tied embedding is read whole as the LM head. The rate is ``spec``'s bandwidth, by default
+    the ``cpu-local`` probe's (a measured copy rate, cached per machine: ``fuel devices``)."""
+    from fuel.cost import device
+
+    by_format = weight_formats(weights)
+    read = sum(by_format.values())
+    tensors = getattr(weights, "tensors", weights)
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is not None and not getattr(weights, "tied_embeddings", False):
+        read -= embed.numel() * embed.element_size() - embed[0].numel() * embed.element_size()
+    spec = spec if spec is not None else device("cpu-local")
+    rate = spec.bandwidth_bytes_per_s
+    return {
+        "formats": by_format,
+        "resident_bytes": resident_bytes(weights),
+        "bytes_per_token": read,
+        "bandwidth_bytes_per_s": rate,
+        "bandwidth_source": spec.sources.get("bandwidth", "cpu-local probe"),
+        "floor_ms_per_token": round(read / rate * 1e3, 3) if rate > 0 else None,
+        "floor_tokens_per_s": round(rate / read, 2) if read > 0 and rate > 0 else None,
+    }
+
+
+__all__ = ["PlannedWeights", "STORED_VERSION", "decode_traffic", "planned_weights", "stored_formats", "convert_gguf_stored", "load_stored", "logical_shape",
+           "packed_tensors", "resident_bytes", "stored_folder", "weight_formats"]

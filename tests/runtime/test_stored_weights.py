@@ -1,0 +1,183 @@
+"""GGUF weights in their stored formats: block tensors stay packed (converted once, cached by
+the file's digest), resident bytes stay near the file's, an unrunnable type is named with its
+tensor, and a stored run computes what the dequantized f32 run computes: arm 0 (dequantize
+then matmul) and the adopted numba kernels alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fuel.kernels.quant_blocks import UnsupportedTensorType
+from fuel.runtime.engine import Engine
+from fuel.runtime.generate import generate
+from fuel.runtime.quant_cache import packed_tensors, resident_bytes, stored_folder, weight_formats
+from fuel.runtime.weights import DType, load_weights
+
+DIMS = {"hidden": 64, "ffn": 128, "heads": 2, "kv_heads": 1, "head_dim": 32}
+QUANTIZE = {"token_embd.weight": "Q8_0", "attn_q.weight": "Q4_1", "attn_k.weight": "Q4_0",
+            "attn_v.weight": "Q5_0", "attn_output.weight": "Q5_1", "ffn_gate.weight": "Q4_1",
+            "ffn_up.weight": "Q4_1", "ffn_down.weight": "Q8_0"}
+SHIPPED = {"token_embd.weight": "Q8_0", **{f"{part}.weight": "Q4_1" for part in (
+    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}}
+"""The shipped SmolLM2 file's mix (Q8_0 embedding, Q4_1 projections): the JIT run compiles two
+kernels, not five."""
+PROMPT = [1, 3, 4, 5, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def quant_gguf(tmp_path_factory, tiny_gguf_writer) -> Path:
+    folder = tmp_path_factory.mktemp("quant-gguf")
+    return tiny_gguf_writer(folder / "tiny-q.gguf", dims=DIMS, quantize=QUANTIZE).path
+
+
+@pytest.fixture(scope="module")
+def shipped_mix(tmp_path_factory, tiny_gguf_writer, cache):
+    folder = tmp_path_factory.mktemp("shipped-mix")
+    path = tiny_gguf_writer(folder / "tiny-q41.gguf", dims=DIMS, quantize=SHIPPED, seed=1).path
+    return (load_weights(path, dtype="stored", cache=cache, progress=False),
+            load_weights(path, dtype="f32", cache=cache, progress=False))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stored-cache")
+
+
+@pytest.fixture(scope="module")
+def stored(quant_gguf, cache):
+    return load_weights(quant_gguf, dtype="stored", cache=cache, progress=False)
+
+
+@pytest.fixture(scope="module")
+def dequantized(quant_gguf, cache):
+    return load_weights(quant_gguf, dtype="f32", cache=cache, progress=False)
+
+
+def test_block_tensors_stay_packed_with_their_formats(stored):
+    assert stored.dtype is DType.STORED
+    assert stored.format_of("model.layers.0.self_attn.q_proj.weight") == "gguf/q4_1"
+    assert stored.format_of("lm_head.weight") == "gguf/q8_0"  # the tied alias resolves
+    q = stored["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.uint8 and tuple(q.shape) == (64, 2 * 20)
+    assert stored.logical_shape("model.layers.0.self_attn.q_proj.weight") == (64, 64)
+    assert set(weight_formats(stored)) == {"f32", "gguf/q4_0", "gguf/q4_1", "gguf/q5_0",
+                                           "gguf/q5_1", "gguf/q8_0"}
+
+
+def test_packed_rows_dequantize_to_the_f32_conversion(stored, dequantized):
+    from fuel.kernels.quant_blocks import dequantize
+
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        layout = stored.format_of(name).removeprefix("gguf/")
+        got = dequantize(stored[name], layout, stored.logical_shape(name)[-1])
+        assert torch.equal(got, dequantized[name]), name
+
+
+def test_resident_bytes_stay_within_the_file_size(stored, quant_gguf):
+    assert resident_bytes(stored) <= 1.3 * quant_gguf.stat().st_size
+
+
+def test_conversion_is_cached_by_the_file_digest(stored, quant_gguf, cache):
+    folder = stored_folder(quant_gguf, cache)
+    assert stored.source.folder == folder
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    again = load_weights(quant_gguf, dtype="stored", cache=cache, progress=False)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert torch.equal(again["model.layers.0.mlp.up_proj.weight"],
+                       stored["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_an_unrunnable_tensor_type_is_named_with_the_tensor(tmp_path):
+    import gguf
+
+    from fuel.runtime.gguf_loader import read_gguf
+
+    path = tmp_path / "iq.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_head_count(2)
+    writer.add_tensor("blk.0.attn_v.weight", np.zeros((64, 36), dtype=np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedTensorType, match=r"blk\.0\.attn_v\.weight.*IQ4_NL"):
+        packed_tensors(read_gguf(path))
+
+
+def greedy(weights, options=None, table=None) -> list[int]:
+    engine = Engine(weights, max_context=64, table=table, optimize_options=options)
+    return generate(engine, PROMPT, 6).tokens
+
+
+def test_stored_run_equals_the_dequantized_run(stored, dequantized):
+    assert greedy(stored) == greedy(dequantized)
+
+
+def test_stored_run_with_adopted_kernels_equals_the_dequantized_run(shipped_mix, tmp_path,
+                                                                    fuel_cache):
+    from fuel.jit.numba_synth import NumbaSynthesizer
+    from fuel.kernels import cpu_table
+    from fuel.runtime.model import jit_options
+
+    table = cpu_table()
+    options = jit_options(table, store_path=tmp_path / "judge.sqlite",
+                          synthesizer=NumbaSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
+    options.jit.profile_options = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
+    stored, dequantized = shipped_mix
+    assert set(weight_formats(stored)) == {"f32", "gguf/q4_1", "gguf/q8_0"}
+    engine = Engine(stored, max_context=64, table=table, optimize_options=options)
+    tokens = generate(engine, PROMPT, 6).tokens
+    adopted = {e.region for e in options.jit.events if e.record.runtime_id is not None}
+    assert "quant_linear" in adopted
+    assert tokens == greedy(dequantized)
+    # Every quantized matmul of the decode step runs its kernel: no arm-0 matmul stays live
+    # (a residual_add_rms_norm reading an o/down projection once kept it), and only the
+    # embedding's gathered rows are dequantized.
+    from fuel.circuit.rules import Mode
+    from fuel.runtime.program import dispatch_census
+
+    decode = [p for p in engine.programs() if p.step.plan.mode is Mode.DECODE]
+    census = dispatch_census(decode[0])
+    assert "matmul" not in census and census["dequantize"] == 1
+
+
+def test_planning_reads_formats_from_the_header_alone(stored, quant_gguf):
+    from fuel.runtime.quant_cache import planned_weights
+
+    planned = planned_weights(quant_gguf)
+    assert dict(planned.formats) == dict(stored.formats)
+    assert {name: planned[name] for name in planned} == stored.shapes()
+    assert planned.format_of("lm_head.weight") == "gguf/q8_0"
+
+
+def test_lowering_binds_packed_weights_to_quantized_matmuls(stored):
+    from fuel.circuit.rules import Mode
+    from fuel.graph.ir import Fused, Prim
+    from fuel.graph.ops import OpKind
+    from fuel.graph.registry import FusedOps
+    from fuel.runtime.lower import StepShape, lower
+
+    engine = Engine(stored, max_context=64)
+    step = lower(engine.plan(Mode.DECODE, 1), engine.circuit, engine.store, StepShape(((1, 1),), 16, 4, 4, 64))
+    ops = [step.graph.node(n).op for n in step.graph]
+    quant = [op for op in ops if isinstance(op, Fused) and op.id == FusedOps.QUANT_LINEAR]
+    # 2 layers x (q, k, v, o, gate, up, down) + the tied LM head, each its own packed weight.
+    assert len(quant) == 2 * 7 + 1
+    assert {op.params.layout for op in quant} == {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
+    assert sum(isinstance(op, Prim) and op.kind is OpKind.DEQUANTIZE for op in ops) == 1  # embed
+
+
+def test_decode_traffic_counts_every_stored_byte_once(stored):
+    from fuel.cost import device
+    from fuel.runtime.quant_cache import decode_traffic
+
+    spec = device("gb10")  # a published spec: the arithmetic, without probing this machine
+    traffic = decode_traffic(stored, spec)
+    assert traffic["bytes_per_token"] == traffic["resident_bytes"] == sum(traffic["formats"].values())
+    assert traffic["floor_tokens_per_s"] == round(spec.bandwidth_bytes_per_s / traffic["bytes_per_token"], 2)
