@@ -40,6 +40,11 @@ def run_parallel(model: str | None, prompt: str, *, max_new_tokens: int, tp: int
         from fuel.circuit.parallel import Parallel, split_shape
 
         split_shape(zoo.shape(zoo.DEFAULT_MODEL), Parallel(tp=tp))
+    # Packed (stored-format) weights are not split by rank yet: a tensor-parallel run computes
+    # dequantized, and its report says so.
+    note = None
+    if dtype == "stored":
+        dtype, note = "f32", "stored formats are not split by rank: weights dequantized to f32"
     weights = load_weights(source, dtype=dtype)
     tokenizer = load_tokenizer(weights.source.folder)
     ids = tokenizer.encode(tokenizer.format_prompt(prompt) if chat else prompt)
@@ -49,6 +54,7 @@ def run_parallel(model: str | None, prompt: str, *, max_new_tokens: int, tp: int
     out = {"model": model or DEFAULT_MODEL_NAME, "tp": tp, "backend": result.backend,
            "prompt": prompt, "output": tokenizer.decode(list(result.tokens)),
            "tokens": list(result.tokens), "seconds": seconds,
+           "dtype": weights.dtype.value, "dtype_note": note,
            "ranks": [{"rank": r, "digests": dict(d)} for r, d in enumerate(result.digests)]}
     if as_json:
         typer.echo(json.dumps(out, indent=2))
@@ -58,6 +64,8 @@ def run_parallel(model: str | None, prompt: str, *, max_new_tokens: int, tp: int
     console.print(f"tensor parallel: {tp} ranks on torch.distributed ({result.backend}, "
                   f"127.0.0.1), {len(result.tokens)} tokens in {seconds:.1f} s (process start, "
                   "weight load and program builds included)")
+    if note:
+        console.print(f"dtype: {weights.dtype.value} ({note})")
     for rank in out["ranks"]:
         for digest, what in rank["digests"].items():
             console.print(f"  rank {rank['rank']}  {what:<18} {digest[:16]}")
