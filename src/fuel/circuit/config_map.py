@@ -19,6 +19,7 @@ Map file (``schema = 1``; unknown keys refused)::
     [dims]                                # dim -> config key, in evaluation order
     hidden = "hidden_size"
     head_dim = { key = "head_dim", otherwise = "hidden / q_heads" }
+    experts = { key = ["num_experts", "num_local_experts"] }   # spellings of one key
     [params]                              # constant params the family implies
     attention_block = "plain"
     [keys]                                # every other key, exactly one class each:
@@ -31,8 +32,12 @@ Map file (``schema = 1``; unknown keys refused)::
     type_key = "rope_type"                                     # null/absent = default rope
     param = "rope"                                             # -> params rope_type, rope_scaling
     types = { llama3 = ["factor", "low_freq_factor", ...] }    # sub-keys each type needs
+    params = { rope_theta = "rope_theta" }                     # optional: sub-keys read as
+                                                               # params (any type)
 
-Params are strings: ``true``/``false`` for booleans, Python ``repr`` for numbers. Besides the
+Params are strings: ``true``/``false`` for booleans, Python ``repr`` for numbers. A value the
+config states beats a map default for the same param, whatever order the rules run in (so
+transformers 5's ``rope_parameters.rope_theta`` beats the ``rope_theta`` default). Besides the
 map's params the shape always carries ``softmax_scale`` = 1/sqrt(head_dim) when the map has a
 ``head_dim`` dim, and ``rope_type`` / ``rope_scaling`` from the rope entry.
 
@@ -121,12 +126,18 @@ def param_text(value: object) -> str:
 
 @dataclass(frozen=True, slots=True)
 class DimSource:
-    """Where a dim's value comes from: a config key, else ``otherwise`` (``a / b`` exactly, or a
-    dim expression over earlier dims)."""
+    """Where a dim's value comes from: a config key (``aliases``: other spellings of the same
+    key, e.g. transformers 5's ``num_local_experts`` for ``num_experts``), else ``otherwise``
+    (``a / b`` exactly, or a dim expression over earlier dims)."""
 
     name: str
     key: str
     otherwise: str | None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key, *self.aliases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +154,8 @@ class KeyRule:
     default: Any = None
     type_key: str | None = None
     types: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    sub_params: tuple[tuple[str, str], ...] = ()
+    """A typed table's sub-keys read as params (``(sub-key, param)``), whatever the type."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +204,7 @@ def _key_rule(file: str, key: str, raw: Any) -> KeyRule:
         "require": {"require", "why", "default"},
         "require_null": {"require_null", "why"},
         "weight_format": {"weight_format"},
-        "type_key": {"type_key", "param", "types"},
+        "type_key": {"type_key", "param", "types", "params"},
     }[kind]
     for name in sorted(raw):
         if name not in allowed:
@@ -218,9 +231,12 @@ def _key_rule(file: str, key: str, raw: Any) -> KeyRule:
         if not isinstance(subkeys, list) or not all(isinstance(s, str) for s in subkeys):
             raise _fail(file, f"{where}.types.{name}", "expected a list of sub-key names")
         types.append((name, tuple(subkeys)))
+    sub_params = _expect(file, f"{where}.params", raw.get("params", {}), dict)
+    for sub, param in sub_params.items():
+        _expect(file, f"{where}.params.{sub}", param, str)
     return KeyRule(key, kind, param=_expect(file, f"{where}.param", raw.get("param"), str),
                    type_key=_expect(file, f"{where}.type_key", raw["type_key"], str),
-                   types=tuple(types))
+                   types=tuple(types), sub_params=tuple(sorted(sub_params.items())))
 
 
 def load_config_map(path: str | Path) -> ConfigMap:
@@ -260,15 +276,20 @@ def load_config_map(path: str | Path) -> ConfigMap:
         if isinstance(source, str):
             dims.append(DimSource(name, source, None))
         elif isinstance(source, dict) and set(source) <= {"key", "otherwise"} and "key" in source:
-            dims.append(DimSource(name, _expect(file, f"dims.{name}.key", source["key"], str),
-                                  source.get("otherwise")))
+            spellings = source["key"] if isinstance(source["key"], list) else [source["key"]]
+            if not spellings:
+                raise _fail(file, f"dims.{name}.key", "name at least one config key")
+            for spelling in spellings:
+                _expect(file, f"dims.{name}.key", spelling, str)
+            dims.append(DimSource(name, spellings[0], source.get("otherwise"),
+                                  tuple(spellings[1:])))
         else:
             raise _fail(file, f"dims.{name}", "a config key, or { key = ..., otherwise = ... }")
     params = tuple((k, _expect(file, f"params.{k}", v, str))
                    for k, v in sorted(_expect(file, "params", raw.get("params", {}), dict).items()))
     keys = tuple(_key_rule(file, k, v)
                  for k, v in _expect(file, "keys", raw.get("keys", {}), dict).items())
-    structural = {raw["layers"], "model_type", *(d.key for d in dims)}
+    structural = {raw["layers"], "model_type", *(k for d in dims for k in d.keys)}
     if layer_kinds_key:
         structural.add(layer_kinds_key)
     for rule in keys:
@@ -332,8 +353,18 @@ def _derive(source: str, dim: DimSource, values: dict[str, int]) -> int:
 
 
 def _classify(source: str, m: ConfigMap, rule: KeyRule, present: bool, value: Any,
-              params: dict[str, str]) -> Format | None:
+              params: dict[str, str], stated: set[str]) -> Format | None:
+    """Classify one key. ``stated``: the params a present config value set (a map default
+    never overwrites one of them)."""
     key = rule.key
+
+    def put(param: str, text: str, *, explicit: bool) -> None:
+        if explicit:
+            params[param] = text
+            stated.add(param)
+        elif param not in stated:
+            params[param] = text
+
     if rule.kind == "ignore":
         return None
     if rule.kind == "weight_format":
@@ -347,6 +378,7 @@ def _classify(source: str, m: ConfigMap, rule: KeyRule, present: bool, value: An
         if present and value is not None:
             raise RequirementViolated(source, key, value, "null (or no key)", rule.reason)
         return None
+    explicit = present
     if rule.kind == "type_key" and not present:
         value, present = None, True  # an absent typed setting is the default one, like null
     if not present:
@@ -355,7 +387,7 @@ def _classify(source: str, m: ConfigMap, rule: KeyRule, present: bool, value: An
         value = rule.default
     if rule.kind == "param":
         assert rule.param is not None
-        params[rule.param] = param_text(value)
+        put(rule.param, param_text(value), explicit=explicit)
     elif rule.kind == "require":
         if not _same(value, rule.value):
             raise RequirementViolated(source, key, value, f"`{_show(rule.value)}`", rule.reason)
@@ -363,7 +395,8 @@ def _classify(source: str, m: ConfigMap, rule: KeyRule, present: bool, value: An
         assert rule.param is not None and rule.type_key is not None
         type_param, scaling_param = f"{rule.param}_type", f"{rule.param}_scaling"
         if value is None:
-            params[type_param], params[scaling_param] = "default", ""
+            put(type_param, "default", explicit=explicit)
+            put(scaling_param, "", explicit=explicit)
             return None
         if not isinstance(value, dict):
             raise RequirementViolated(source, key, value, "a table or null", "it is a typed setting")
@@ -373,14 +406,19 @@ def _classify(source: str, m: ConfigMap, rule: KeyRule, present: bool, value: An
             raise RequirementViolated(source, f"{key}.{rule.type_key}", kind,
                                       f"one of {', '.join(t for t, _ in rule.types)}",
                                       "the circuit models only these")
+        read_as_params = dict(rule.sub_params)
         for sub in sorted(value):
-            if sub != rule.type_key and sub not in needed:
+            if sub != rule.type_key and sub not in needed and sub not in read_as_params:
                 raise UnclassifiedKey(source, f"{key}.{sub}", value[sub], m.file)
         for sub in needed:
             if sub not in value:
                 raise MissingKey(source, f"{key}.{sub}", f"missing; type `{kind}` needs it")
-        params[type_param] = kind
-        params[scaling_param] = ",".join(f"{sub}={param_text(value[sub])}" for sub in sorted(needed))
+        for sub, param in read_as_params.items():
+            if sub in value:
+                put(param, param_text(value[sub]), explicit=True)
+        put(type_param, kind, explicit=True)
+        put(scaling_param, ",".join(f"{sub}={param_text(value[sub])}" for sub in sorted(needed)),
+            explicit=True)
     return None
 
 
@@ -430,17 +468,23 @@ def shape_from_config(config: Mapping[str, Any], source: str | None = None,
 
     dims: dict[str, int] = {}
     for dim in m.dims:
-        if dim.key in body and body[dim.key] is not None:
-            dims[dim.name] = _int(source, prefix + dim.key, body[dim.key])
+        given = [k for k in dim.keys if k in body and body[k] is not None]
+        if len(given) > 1 and any(not _same(body[k], body[given[0]]) for k in given[1:]):
+            raise RequirementViolated(source, prefix + given[1], body[given[1]],
+                                      f"`{_show(body[given[0]])}` (the value of {given[0]})",
+                                      f"both spell the dim `{dim.name}`")
+        if given:
+            dims[dim.name] = _int(source, prefix + given[0], body[given[0]])
         elif dim.otherwise is not None:
             dims[dim.name] = _derive(source, dim, dims)
         else:
             raise MissingKey(source, prefix + dim.key, "missing: the config map reads it")
 
     params: dict[str, str] = dict(m.params)
+    stated: set[str] = set()
     weight_format: Format | None = None
     rules = {rule.key: rule for rule in m.keys}
-    structural = {m.layers_key, "model_type", *(d.key for d in m.dims)}
+    structural = {m.layers_key, "model_type", *(k for d in m.dims for k in d.keys)}
     if m.layer_kinds_key:
         structural.add(m.layer_kinds_key)
     for key in sorted(body):
@@ -448,7 +492,7 @@ def shape_from_config(config: Mapping[str, Any], source: str | None = None,
             raise UnclassifiedKey(source, prefix + key, body[key], m.file)
     for key, rule in rules.items():
         fmt = _classify(source, m, KeyRule(prefix + key, *_rest(rule)), key in body, body.get(key),
-                        params)
+                        params, stated)
         weight_format = fmt or weight_format
     if "head_dim" in dims:
         params["softmax_scale"] = repr(1.0 / math.sqrt(dims["head_dim"]))
@@ -458,7 +502,7 @@ def shape_from_config(config: Mapping[str, Any], source: str | None = None,
 
 def _rest(rule: KeyRule) -> tuple[Any, ...]:
     return (rule.kind, rule.reason, rule.param, rule.value, rule.has_default, rule.default,
-            rule.type_key, rule.types)
+            rule.type_key, rule.types, rule.sub_params)
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

@@ -62,6 +62,10 @@ class WeightStore(Mapping[str, "torch.Tensor"]):
 
         if spec.kind is DerivedKind.CONCAT:
             value = torch.cat([self._tensors[name] for name in spec.sources], dim=0).contiguous()
+        elif spec.kind is DerivedKind.EXPERT_STACK:
+            from fuel.runtime.moe import stack_experts
+
+            value = stack_experts(self._tensors, spec.sources, spec.group)
         else:
             # Hugging Face's RoPE (default, or llama3-scaled frequencies), in float32, stored in
             # the model dtype: fuel.runtime.lower.rope_table.
@@ -111,6 +115,8 @@ class StepProgram:
     program: Any
     logits_root: int
     tokens_root: int
+    routing_roots: tuple[int, ...] = ()
+    """The roots holding each MoE layer's chosen expert ids (``step.routing`` order)."""
 
     @property
     def digest(self) -> str:
@@ -135,6 +141,13 @@ class StepProgram:
     def run(self, feeds: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.program.run(feeds)
         return out[self.logits_root], out[self.tokens_root]
+
+    def run_routed(self, feeds: Mapping[str, Any]
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """:meth:`run`, plus each MoE layer's chosen expert ids ``[rows, k]``."""
+        out = self.program.run(feeds)
+        return (out[self.logits_root], out[self.tokens_root],
+                tuple(out[r] for r in self.routing_roots))
 
     def runtime_fused_executed(self) -> int:
         """Kernel calls per step served by adopted (runtime fused) kernels."""
@@ -243,11 +256,11 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
         optimized = _optimize_with_jit(step, store, table, options, session)
     else:
         optimized = optimize_graph(step.graph, step.roots, options)
-    logits_root, tokens_root = optimized.roots
+    logits_root, tokens_root, *routing_roots = optimized.roots
     lowered = lower_order(step.graph, optimized.roots, optimized.route)
     backend = options.device.backend if options.device else BackendId.CPU
     program = compile_program(step.graph, lowered, table, backend, store, Device(backend))
-    return StepProgram(step, optimized, program, logits_root, tokens_root)
+    return StepProgram(step, optimized, program, logits_root, tokens_root, tuple(routing_roots))
 
 
 def dispatch_census(program: StepProgram) -> dict[str, int]:
