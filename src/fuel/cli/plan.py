@@ -45,6 +45,33 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def read_expert_load(path: Path):
+    """The expert load a ``fuel run --json`` report measured; a file that is not one is an
+    :class:`InputError` naming it and the key."""
+    from fuel.report.build import ExpertMeasurement
+
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise InputError(str(path), None, f"cannot read: {error.strerror or error}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InputError(str(path), None, f"not valid JSON: {error}") from None
+    load = report.get("experts") if isinstance(report, dict) else None
+    if not isinstance(load, dict) or not load:
+        raise InputError(str(path), "experts", "missing: not the `fuel run --json` report of an "
+                                               "MoE model")
+    modes = []
+    for mode, row in sorted(load.items()):
+        try:
+            modes.append((mode, float(row["rows_per_step"]),
+                          float(row["distinct_experts_per_layer"]),
+                          float(row["uniform_routing_per_layer"])))
+        except (KeyError, TypeError, ValueError):
+            raise InputError(str(path), f"experts.{mode}", "needs rows_per_step, "
+                             "distinct_experts_per_layer and uniform_routing_per_layer") from None
+    return ExpertMeasurement(path.name, str(report.get("model", "?")), tuple(modes))
+
+
 @app.command("plan")
 def plan_command(
     model: Annotated[str | None, typer.Argument(help="A zoo model name (see `fuel models`).")] = None,
@@ -58,6 +85,9 @@ def plan_command(
     levers: Annotated[list[str], typer.Option("--lever", help="Opt in a `differs` lever (repeatable).")] = [],  # noqa: B006
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     html: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page.")] = None,
+    experts_from: Annotated[Path | None, typer.Option(
+        "--experts-from", help="A `fuel run --json` report of an MoE model: state the distinct "
+                               "experts per layer it measured beside the uniform estimate.")] = None,
 ) -> None:
     """What MODEL does on a device: roofline, memory fit, fused plans, gaps, coverage."""
     from fuel.circuit.policy import build_policy, parse_assignments
@@ -81,7 +111,8 @@ def plan_command(
     policy = build_policy(parse_assignments(settings), levers)
     choice = rule_set_for(spec.title, spec.kind.value)
     options = ReportOptions(context=context, kv_format=kv_format_for(policy), tables=tables,
-                            serve=tuple(modes))
+                            serve=tuple(modes),
+                            measured_experts=read_expert_load(experts_from) if experts_from else None)
     name = model if model is not None else str(config)
     doc = build_report(name, circ, device_info(spec), choice, policy, options)
 
