@@ -227,11 +227,7 @@ def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: Optimize
         from fuel.jit import jit_request_for_unplaceable_fused as carrier
     # Adopted arms are offered only when they can be priced (as the pathfinders' arms are).
     adopt_arms = options.offer_runtime_fused and options.device_spec is not None
-    # Readers first: an adopted kernel's branch merges at its reader, so a reader that is
-    # itself lowered (an MoE layer's output read by the next residual_add_rms_norm) must already
-    # be its recipe, or the merge would be a node nothing reaches and the branch never baked.
-    # The records keep dispatch order.
-    for node_id in reversed(lower(graph, roots).order):
+    for node_id in lower(graph, roots).order:
         node = graph.node(node_id)
         if not isinstance(node.op, Fused):
             continue
@@ -266,7 +262,7 @@ def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: Optimize
             if node_id in reader_node.inputs and reader != root:
                 graph.rewire(reader, node_id, root)
         roots = tuple(root if r == node_id else r for r in roots)
-    return roots, lowerings[::-1], offers[::-1], merges
+    return roots, lowerings, offers, merges
 
 
 def _splice_merges(graph: Graph, roots: tuple[NodeId, ...], merges: frozenset[NodeId]
