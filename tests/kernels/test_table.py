@@ -79,7 +79,9 @@ def test_cpu_table_has_no_fused_kernel_for_paged_attn_residual_add_rms_norm_or_q
     fused_keys = {key.op for key in table.keys() if isinstance(key.op, FusedOps)}
     assert FusedOps.PAGED_ATTN not in fused_keys
     assert FusedOps.RESIDUAL_ADD_RMS_NORM not in fused_keys
+    # moe too: it runs as its recipe (grouped expert_matmul) until the JIT adopts a kernel.
+    assert FusedOps.MOE not in fused_keys
     assert fused_keys == set(FusedOps) - {FusedOps.PAGED_ATTN, FusedOps.RESIDUAL_ADD_RMS_NORM,
-                                          FusedOps.QUANT_LINEAR}
+                                          FusedOps.QUANT_LINEAR, FusedOps.MOE}
     with pytest.raises(KernelMissing, match="paged_attn"):
         table.lookup(FusedOps.PAGED_ATTN, (F32, F32, F32, U32, U32, F32), BackendId.CPU)

@@ -24,10 +24,9 @@ RULES = load_builtin_rules("cpu")
 AVAILABLE = AvailableKernels.all_named_by(RULES)
 POLICY = build_policy()
 
-# Ops of the closed set the CPU runtime cannot run yet (MoE routing, quantization, GeGLU,
-# soft-capping, layout-only host steps). cpu.toml names kernels for them; lowering refuses.
-NOT_CONSTRUCTED = {"copy", "concat", "split", "act_quant", "gelu_tanh_mul", "router", "top_k",
-                   "expert_gate_up", "expert_down", "blend", "logit_softcap",
+# Ops of the closed set the CPU runtime cannot run yet (quantization, GeGLU, soft-capping,
+# layout-only host steps). cpu.toml names kernels for them; lowering refuses.
+NOT_CONSTRUCTED = {"copy", "concat", "split", "act_quant", "gelu_tanh_mul", "logit_softcap",
                    # pipeline stages and sequence-parallel splits are planned, not run
                    "send", "recv", "reduce_scatter"}
 
@@ -101,11 +100,11 @@ def test_draft_section_reads_its_own_cache(smollm2):
 def test_kernel_without_construction_names_rule_and_kernel(smollm2):
     circuit, weights = smollm2
     plan = plan_for(circuit, Mode.DECODE, 1)
-    bad = replace(plan.groups[0], kernels=(KernelId("fuel.kernels.cpu", "router"),))
+    bad = replace(plan.groups[0], kernels=(KernelId("fuel.kernels.cpu", "logit_softcap"),))
     with pytest.raises(NoConstruction) as error:
         lower(replace(plan, groups=(bad, *plan.groups[1:])), circuit, weights, shape([(1, 1)]))
     assert error.value.rule == "cpu.embed"
-    assert "fuel.kernels.cpu::router" in str(error.value)
+    assert "fuel.kernels.cpu::logit_softcap" in str(error.value)
 
 
 def test_kernel_of_another_module_is_refused(smollm2):

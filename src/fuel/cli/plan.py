@@ -30,6 +30,30 @@ class ServeGap(FuelError):
         super().__init__("cannot serve: " + "; ".join(parts))
 
 
+def read_expert_load(path: Path):
+    """The expert load a ``fuel run --json`` report measured; a file that is not one is an
+    :class:`InputError` naming it and the key."""
+    from fuel.report.build import ExpertMeasurement
+
+    from fuel.inputs import load_json
+
+    report = load_json(path, lambda detail: InputError(str(path), None, detail))
+    load = report.get("experts") if isinstance(report, dict) else None
+    if not isinstance(load, dict) or not load:
+        raise InputError(str(path), "experts", "missing: not the `fuel run --json` report of an "
+                                               "MoE model")
+    modes = []
+    for mode, row in sorted(load.items()):
+        try:
+            modes.append((mode, float(row["rows_per_step"]),
+                          float(row["distinct_experts_per_layer"]),
+                          float(row["uniform_routing_per_layer"])))
+        except (KeyError, TypeError, ValueError):
+            raise InputError(str(path), f"experts.{mode}", "needs rows_per_step, "
+                             "distinct_experts_per_layer and uniform_routing_per_layer") from None
+    return ExpertMeasurement(path.name, str(report.get("model", "?")), tuple(modes))
+
+
 @app.command("plan")
 def plan_command(
     model: Annotated[str | None, typer.Argument(help="A zoo model name (see `fuel models`).")] = None,
@@ -52,6 +76,9 @@ def plan_command(
     utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="Share of each GPU's memory a rank may use (vLLM's default 0.9).")] = 0.9,
     dtype: Annotated[str | None, typer.Option("--dtype", help="Plan the run's dtype (bf16 | f16 | f32): weights and activations, as `fuel run --dtype` computes them.")] = None,
     weights: Annotated[str | None, typer.Option("--weights", help="The weights' stored format: a GGUF file (each tensor priced in its own format: Q4_1, Q8_0, ...) or one format spelling for every weight (e.g. f32, fp8/channel); overrides --dtype for weights.")] = None,
+    experts_from: Annotated[Path | None, typer.Option(
+        "--experts-from", help="A `fuel run --json` report of an MoE model: state the distinct "
+                               "experts per layer it measured beside the uniform estimate.")] = None,
 ) -> None:
     """What MODEL does on a device: roofline, memory fit, fused plans, gaps, coverage."""
     from fuel.circuit.policy import build_policy, check_levers, parse_assignments
@@ -106,7 +133,8 @@ def plan_command(
         check_levers(levers, [choice.rules, *(load_builtin_rules(n) for n in BUILTIN_RULE_SETS)])
     options = ReportOptions(context=context,
                             kv_format=kv_format_for(policy, run_format or BF16), tables=tables,
-                            serve=tuple(modes))
+                            serve=tuple(modes),
+                            measured_experts=read_expert_load(experts_from) if experts_from else None)
     name = model if model is not None else str(config)
     info = device_info(spec)
     doc = build_report(name, circ, info, choice, policy, options)

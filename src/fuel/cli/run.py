@@ -179,7 +179,24 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
             routes.add_row(row["mode"], f"%{row['branch']}", str(row["arm"]), row["device"],
                            str(row["steps"]), row["reason"])
         console.print(routes)
+    print_experts(console, result)
     print_jit(console, result)
+
+
+def print_experts(console: Console, result: dict[str, Any]) -> None:
+    """MoE expert load per step (measured from the routing each step took)."""
+    load = result.get("experts")
+    if not load:
+        return
+    table = Table("mode", "rows/step", "MoE layers", "distinct experts/layer",
+                  "uniform routing/layer", "distinct experts/step", "expert bytes/step",
+                  title="expert load (measured routing; uniform = E*(1-(1-k/E)^T))")
+    for mode, row in load.items():
+        table.add_row(mode, str(row["rows_per_step"]), str(row["moe_layers"]),
+                      f"{row['distinct_experts_per_layer']} of {row['experts']} (k={row['top_k']})",
+                      str(row["uniform_routing_per_layer"]), str(row["distinct_experts_per_step"]),
+                      f"{row['expert_bytes_per_step']:,}")
+    console.print(table)
 
 
 def _us(ns: int | None) -> str:

@@ -122,6 +122,17 @@ def _prim(graph: Graph, node: Node, symbols: Mapping[str, int]) -> CostEstimate:
             batch=math.prod(o[:-2]), m=m, k=a[-1], n=n, dtype=inputs[0].dtype.value,
             out_dtype=dtype, a_batch=math.prod(a[:-2]), b_batch=math.prod(b[:-2]),
         )
+    if kind is OpKind.EXPERT_MATMUL:
+        # Rows grouped by expert: at most min(rows, experts) distinct matrices are read (the
+        # ids are data, so Layer 1 prices the worst case: every row a different expert).
+        x, w, ids = (_dims(i, symbols) for i in inputs)
+        rows, experts, n, k = x[0], w[0], w[1], x[1]
+        dtype_in = inputs[0].dtype.value
+        read = (min(rows, experts) * fam.tensor_bytes(n * k, inputs[1].dtype.value)
+                + fam.tensor_bytes(rows * k, dtype_in)
+                + fam.tensor_bytes(rows, inputs[2].dtype.value))
+        return CostEstimate(flops=2 * rows * n * k, bytes=read + fam.tensor_bytes(rows * n, dtype),
+                            matrix_flops=2 * rows * n * k, matrix_dtype=dtype_in)
     if kind in _VIEWS:
         return fam.view()
     if kind in _MOVES:
@@ -206,6 +217,21 @@ def _fused(graph: Graph, node: Node, symbols: Mapping[str, int], context_lens: S
             dtype=dtype, block_size=params.block_size, blocks_per_seq=table[1],
             context_lens=context_lens, index_dtype=inputs[3].dtype.value,
         )
+    if which is FusedOps.MOE:
+        # Route, grouped expert MLP, combine: at most min(T*k, E) distinct experts' matrices are
+        # read (the routing is data: Layer 1 prices the worst case, every choice distinct).
+        tokens, hidden = x
+        experts, two_inter = _dims(inputs[2], symbols)[:2]
+        choices = tokens * params.top_k
+        per_expert = fam.tensor_bytes(3 * hidden * (two_inter // 2), inputs[2].dtype.value)
+        contraction = 2 * choices * 3 * hidden * (two_inter // 2)
+        moved = sum(fam.tensor_bytes(_numel(i, symbols), i.dtype.value)
+                    for index, i in enumerate(inputs) if index not in (2, 3))
+        return CostEstimate(
+            flops=contraction + choices * (two_inter + 2 * hidden),
+            bytes=min(choices, experts) * per_expert + moved
+            + fam.tensor_bytes(_numel(node, symbols), node.dtype.value),
+            matrix_flops=contraction, matrix_dtype=dtype)
     raise _Unknown(f"no Layer-1 family for fused op {fused_name(fused_id)}")
 
 

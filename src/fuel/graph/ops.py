@@ -19,6 +19,9 @@ Conventions every rule follows:
   cache consumes this node, so data edges alone order the effect before its readers.
 - Reductions (``sum``/``max``/``mean``/``argmax``) take ``dim`` and ``keepdim``; ``argmax`` and
   ``topk_indices`` produce i64.
+- ``expert_matmul(x [R, K], w [E, N, K], ids [R])`` is ``out[r] = x[r] @ w[ids[r]].T`` (llama.cpp's
+  ``mul_mat_id``): each row is multiplied by the expert its id names. Its kernels group the rows
+  by expert, so every distinct expert's matrix is read once per call (MoE: ``fuel.runtime.moe``).
 
 A rule that cannot type its inputs raises :class:`ShapeError`; callers that must be total
 (``decompose``) catch it and decline.
@@ -91,6 +94,7 @@ class OpKind(Enum):
     TOPK_INDICES = "topk_indices"
     # Linear algebra.
     MATMUL = "matmul"
+    EXPERT_MATMUL = "expert_matmul"
     # Layout.
     RESHAPE = "reshape"
     PERMUTE = "permute"
@@ -141,6 +145,7 @@ _COMMUTATIVE = frozenset({OpKind.ADD, OpKind.MUL, OpKind.MAXIMUM})
 _ARITY = {
     **{kind: 2 for kind in BINARY},
     OpKind.COMPARE: 2, OpKind.WHERE: 3, OpKind.MASKED_FILL: 2, OpKind.MATMUL: 2,
+    OpKind.EXPERT_MATMUL: 3,
     OpKind.INDEX_SELECT: 2, OpKind.GATHER: 2, OpKind.KV_CACHE_WRITE: 3, OpKind.CONCAT: None,
 }
 REQUIRED_ATTRS: dict[OpKind, tuple[str, ...]] = {
@@ -290,6 +295,13 @@ def infer(kind: OpKind, attrs: dict[str, Any], shapes: Sequence[Shape],
             raise ShapeError(kind.value, f"inner dims differ: {a} @ {b}")
         batch = _broadcast(kind, [Shape(a.dims[:-2]), Shape(b.dims[:-2])])
         return Shape(batch.dims + (a.dims[-2], b.dims[-1])), _same_dtype(kind, dtypes)
+    if kind is OpKind.EXPERT_MATMUL:
+        w, ids = shapes[1], shapes[2]
+        if x.rank != 2 or w.rank != 3 or ids.rank != 1 or x.dims[1] != w.dims[2] or (
+                ids.dims[0] != x.dims[0]):
+            raise ShapeError(kind.value, f"x {x}, w {w}, ids {ids} do not fit [R, K], [E, N, K], [R]")
+        _index_dtype(kind, dtypes[2])
+        return Shape((x.dims[0], w.dims[1])), _same_dtype(kind, dtypes[:2])
     if kind is OpKind.RESHAPE:
         return _reshape(kind, x, attrs["shape"]), dtype
     if kind is OpKind.PERMUTE:

@@ -22,6 +22,13 @@ Layouts the static ops assume (the rules refuse anything else):
 - ``fused_linear(x, w[, b])``: ``w`` is ``[N, K]`` (the checkpoint layout), ``x @ w.T + b``.
 - ``quant_linear(x, w)``: ``w`` is u8 ``[N, row_bytes]`` llama.cpp blocks (``QuantLinear``
   names the layout); the recipe is ``x @ dequantize(w).T`` in f32.
+- ``moe(h [T, H], router_logits [T, E], gate_up [E, 2I, H], down [E, H, I][, shared_out [T, H],
+  shared_gate [T, 1]])``: softmax of the logits in f32, the top ``k`` (renormalized to sum 1 when
+  ``normalize``), each token's row repeated per choice, ``expert_matmul`` through the chosen
+  experts' gate_up, SwiGLU, ``expert_matmul`` through their down, the choices' rows summed
+  weighted (weights cast to the activations' dtype), plus ``sigmoid(shared_gate) * shared_out``
+  when ``shared`` (Qwen2-MoE). The router projection stays outside (a linear: the runtime reads
+  the routing off its logits for the expert-load report).
 
 Invariants:
 - Static ids are ``FusedOps`` members (< 0x8000); runtime ids start at 0x8000 and are unique
@@ -64,6 +71,7 @@ class FusedOps(IntEnum):
     FLASH_ATTN = 8
     PAGED_ATTN = 9
     QUANT_LINEAR = 10
+    MOE = 11
 
 
 # Params, one frozen dataclass per op.
@@ -127,6 +135,13 @@ class QuantLinear:
 
 
 @dataclass(frozen=True, slots=True)
+class Moe:
+    top_k: int
+    normalize: bool
+    shared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RuntimeFusedParams:
     """Values for a runtime region's open slots (name-sorted pairs)."""
 
@@ -146,6 +161,7 @@ class FusedOpParams:
     FlashAttn = FlashAttn
     PagedAttn = PagedAttn
     QuantLinear = QuantLinear
+    Moe = Moe
     Runtime = RuntimeFusedParams
 
 
@@ -267,6 +283,54 @@ def _recipe_paged(p: PagedAttn) -> PatternNode:
     return op(OpKind.MATMUL, _softmax(scores), v)
 
 
+# MoE pieces: the fused recipe is their composition, and lowering emits the same pieces for the
+# single-op rules (router, top_k, expert_gate_up, expert_down, blend), so both routes compute
+# one function. Open slots: ``top_k`` (choices per token), ``dtype`` (the activations' dtype).
+def moe_routing(logits: PatternNode, normalize: bool) -> tuple[PatternNode, PatternNode]:
+    """``(weights f32 [T, k], ids i64 [T, k])``: softmax in f32, then the top k, renormalized
+    to sum 1 when ``normalize`` (transformers' Mixtral always, Qwen-MoE when norm_topk_prob)."""
+    probs = _softmax(op(OpKind.CAST, logits, dtype=DType.F32))
+    weights = op(OpKind.TOPK_VALUES, probs, k=Slot("top_k"), dim=-1)
+    ids = op(OpKind.TOPK_INDICES, probs, k=Slot("top_k"), dim=-1)
+    if normalize:
+        weights = op(OpKind.DIV, weights, op(OpKind.SUM, weights, dim=-1, keepdim=True))
+    return weights, ids
+
+
+def moe_choice_ids(ids: PatternNode) -> PatternNode:
+    """``[T * k]``: the expert of each (token, choice) row, token-major."""
+    return op(OpKind.RESHAPE, ids, shape=(-1,))
+
+
+def moe_choice_rows(h: PatternNode) -> PatternNode:
+    """``[T * k, H]``: each token's row once per choice, token-major (the expert inputs)."""
+    return op(OpKind.REPEAT_INTERLEAVE, h, repeats=Slot("top_k"), dim=0)
+
+
+def moe_blend(expert_rows: PatternNode, weights: PatternNode, hidden: Any) -> PatternNode:
+    """``[T, H]``: each token's choice rows summed, weighted by its routing weights."""
+    per_token = op(OpKind.RESHAPE, expert_rows, shape=(-1, Slot("top_k"), hidden))
+    scale = op(OpKind.UNSQUEEZE, op(OpKind.CAST, weights, dtype=Slot("dtype")), dim=-1)
+    return op(OpKind.SUM, op(OpKind.MUL, per_token, scale), dim=1, keepdim=False)
+
+
+def moe_shared(routed: PatternNode, shared_out: PatternNode, shared_gate: PatternNode) -> PatternNode:
+    """Qwen2-MoE's shared expert added to the routed experts, scaled by sigmoid of its gate."""
+    return op(OpKind.ADD, routed, op(OpKind.MUL, op(OpKind.SIGMOID, shared_gate), shared_out))
+
+
+def _recipe_moe(p: Moe) -> PatternNode:
+    h, gate_up, down = Bind(0), Bind(2), Bind(3)
+    weights, ids = moe_routing(Bind(1), p.normalize)
+    choices = moe_choice_ids(ids)
+    projected = op(OpKind.EXPERT_MATMUL, moe_choice_rows(h), gate_up, choices)
+    inter = DimOf(3, 2)
+    act = op(OpKind.MUL, op(OpKind.SILU, op(OpKind.SLICE, projected, dim=-1, start=0, end=inter)),
+             op(OpKind.SLICE, projected, dim=-1, start=inter, end=DimOf(2, 1)))
+    routed = moe_blend(op(OpKind.EXPERT_MATMUL, act, down, choices), weights, DimOf(0, 1))
+    return moe_shared(routed, Bind(4), Bind(5)) if p.shared else routed
+
+
 # Shape/dtype rules.
 def _need(fused: str, condition: bool, detail: str) -> None:
     if not condition:
@@ -372,6 +436,27 @@ def _rule_paged(p: PagedAttn, shapes, dtypes):
     return q, _floats("paged_attn", dtypes[:3])
 
 
+def _rule_moe(p: Moe, shapes, dtypes):
+    h, logits, gate_up, down = shapes[:4]
+    _need("moe", isinstance(p.top_k, int) and p.top_k >= 1, f"top_k {p.top_k!r} must be >= 1")
+    _need("moe", h.rank == 2 and logits.rank == 2 and logits.dims[0] == h.dims[0],
+          f"h {h} and router_logits {logits} must be [T, H] and [T, E]")
+    _need("moe", gate_up.rank == 3 and down.rank == 3 and gate_up.dims[0] == down.dims[0]
+          == logits.dims[1] and gate_up.dims[2] == h.dims[1] and down.dims[1] == h.dims[1]
+          and gate_up.dims[1] == 2 * down.dims[2],
+          f"experts gate_up {gate_up} and down {down} must be [E, 2I, H] and [E, H, I] "
+          f"for h {h}, logits {logits}")
+    _need("moe", isinstance(logits.dims[1], int) and p.top_k <= logits.dims[1],
+          f"top_k {p.top_k} exceeds the {logits.dims[1]} experts")
+    data = [dtypes[0], dtypes[2], dtypes[3]]
+    if p.shared:
+        _need("moe", shapes[4] == h and shapes[5].dims == (h.dims[0], 1),
+              f"shared_out {shapes[4]} must be {h}, shared_gate {shapes[5]} [T, 1]")
+        data += dtypes[4:6]
+    _floats("moe", [dtypes[1]])
+    return h, _floats("moe", data)
+
+
 @dataclass(frozen=True, slots=True)
 class FusedOpSpec:
     """What the registry knows about one static fused op."""
@@ -413,6 +498,8 @@ SPECS: dict[FusedOps, FusedOpSpec] = {spec.id: spec for spec in (
                               "index_dtype": d[3], **_softcap_slots(p.softcap)}),
     FusedOpSpec(FusedOps.QUANT_LINEAR, "quant_linear", QuantLinear, lambda p: 2,
                 _rule_quant_linear, _recipe_quant_linear),
+    FusedOpSpec(FusedOps.MOE, "moe", Moe, lambda p: 6 if p.shared else 4, _rule_moe, _recipe_moe,
+                lambda p, d: {"top_k": p.top_k, "dtype": d[0]}),
 )}
 
 

@@ -13,6 +13,8 @@ Decides what the CPU JIT can build and how:
   table, masked by the u32 context length, soft-capped when the region is, a two-pass softmax,
   and the weighted values; GQA by serving the kv head's whole query-head group from one pass
   over its cached rows (each key and value row read once for the group).
+- **The moe region** (recognized by ``fuel.jit.moe_template``) gets its decode template: routing
+  and a loop over the selected experts only, each expert's rows read once for its tokens.
 - Anything else is :class:`~fuel.jit.protocol.Declined` with the analysis' precise reason.
 
 Each kernel is compiled in two variants (``prange`` over row chunks, and serial) because a
@@ -43,6 +45,7 @@ from typing import Any
 from fuel.graph.dtype import BackendId, DType
 from fuel.jit import cache
 from fuel.jit.quant_gemv import match_quant_linear, plan_quant
+from fuel.jit.moe_template import match_moe, plan_moe
 from fuel.jit.paged import PagedRegion, match_paged
 from fuel.jit.protocol import (
     ArchSku, Declined, ElementKind, JitRequest, SynthesisResult, Synthesized, SynthesizedKernel,
@@ -139,6 +142,9 @@ def _plan(request: JitRequest):
     if quant is not None:
         planned = plan_quant(quant)
         return Declined(planned) if isinstance(planned, str) else planned
+    moe = match_moe(request.region)
+    if moe is not None:
+        return plan_moe(request, moe)
     if not all(kind in _FLOAT_KINDS for kind in kinds):
         return Declined("row-wise kernels take float operands only; got "
                         + ", ".join(k.value for k in kinds))

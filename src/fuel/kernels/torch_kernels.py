@@ -86,6 +86,39 @@ def _kv_cache_write(node: Node):
     return write
 
 
+_GROUP_IN_PYTHON = 256
+"""Up to this many rows, ``expert_matmul`` groups its rows with a Python dict (a few
+microseconds); beyond, with a stable argsort on the ids (the Python loop would cost more)."""
+
+
+def _expert_groups(ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(expert, row indices)`` for every distinct expert in ``ids``, experts ascending."""
+    if ids.numel() <= _GROUP_IN_PYTHON:
+        rows: dict[int, list[int]] = {}
+        for row, expert in enumerate(ids.tolist()):
+            rows.setdefault(expert, []).append(row)
+        return [(expert, torch.tensor(rows[expert], dtype=torch.int64, device=ids.device))
+                for expert in sorted(rows)]
+    order = torch.argsort(ids, stable=True)
+    experts, counts = torch.unique_consecutive(ids.index_select(0, order), return_counts=True)
+    return [(expert, part) for expert, part in
+            zip(experts.tolist(), torch.split(order, counts.tolist()))]
+
+
+def _expert_matmul(node: Node):
+    def grouped(x, w, ids):
+        # Rows grouped by expert: one matmul per distinct expert, so each expert's matrix is
+        # read once per call however many rows chose it (the MoE runtime's contract).
+        out = x.new_empty((x.shape[0], w.shape[1]))
+        for expert, rows in _expert_groups(ids):
+            if rows.numel() == x.shape[0]:
+                torch.mm(x, w[expert].t(), out=out)
+            else:
+                out.index_copy_(0, rows, torch.mm(x.index_select(0, rows), w[expert].t()))
+        return out
+    return grouped
+
+
 _COMPARE = {Predicate.EQ: torch.eq, Predicate.NE: torch.ne, Predicate.LT: torch.lt,
             Predicate.LE: torch.le, Predicate.GT: torch.gt, Predicate.GE: torch.ge}
 
@@ -114,6 +147,7 @@ def _prim_factories() -> dict[OpKind, KernelFactory]:
         OpKind.TOPK_VALUES: lambda n: (lambda x, k=a(n)["k"], d=a(n)["dim"]: torch.topk(x, k, d).values),
         OpKind.TOPK_INDICES: lambda n: (lambda x, k=a(n)["k"], d=a(n)["dim"]: torch.topk(x, k, d).indices),
         OpKind.MATMUL: _fixed(torch.matmul),
+        OpKind.EXPERT_MATMUL: _expert_matmul,
         OpKind.RESHAPE: lambda n: (lambda x, s=a(n)["shape"]: x.reshape(s)),
         OpKind.PERMUTE: lambda n: (lambda x, d=a(n)["dims"]: x.permute(d)),
         OpKind.TRANSPOSE: lambda n: (lambda x, i=a(n)["dim0"], j=a(n)["dim1"]: x.transpose(i, j)),
@@ -183,6 +217,8 @@ def _prim_signatures(kind: OpKind) -> Iterable[tuple[DType, ...]]:
         return ((d, DType.I64) for d in FLOAT_DTYPES)
     if kind is OpKind.MATMUL:
         return ((d, d, d) for d in FLOAT_DTYPES)
+    if kind is OpKind.EXPERT_MATMUL:
+        return ((d, d, i, d) for d in FLOAT_DTYPES for i in INDEX)
     if kind is OpKind.CONCAT:
         return ((d,) * count + (d,) for d in ANY for count in range(1, MAX_CONCAT_INPUTS + 1))
     if kind in (OpKind.IOTA, OpKind.SIZE):

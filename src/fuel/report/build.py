@@ -94,6 +94,39 @@ class ReportOptions:
     tables: tuple[RowTable, ...] = field(
         default_factory=lambda: tuple(RowTable.parse(t) for t in DEFAULT_TABLES))
     serve: tuple[Mode, ...] = ()
+    measured_experts: Any = None
+    """An :class:`ExpertMeasurement` from a ``fuel run`` (``fuel plan --experts-from``), or None."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertMeasurement:
+    """Distinct experts per MoE layer a real run read, by mode: ``(mode, rows per step,
+    measured per layer, uniform expectation per layer)``, and which run it was."""
+
+    source: str
+    model: str
+    modes: tuple[tuple[str, float, float, float], ...]
+
+
+def expert_notes(circuit: Circuit, measured: ExpertMeasurement | None) -> list[str]:
+    """For an MoE circuit: the plan keeps the uniform-routing estimate and says so, and states
+    the distinct-expert counts a run measured when one was supplied."""
+    dims = circuit.dims
+    if "experts" not in dims or "top_k" not in dims:
+        return []
+    experts, top_k = dims["experts"], dims["top_k"]
+    notes = [f"MoE expert reads are the uniform-routing estimate (E={experts}, k={top_k}: "
+             f"decode at T=1 reads k={top_k} experts per layer); routing is data, so the plan "
+             "cannot know it."]
+    if measured is None:
+        notes.append("No run supplied a measured distinct-expert count (fuel plan "
+                     "--experts-from RUN.json reads one from `fuel run --json`).")
+    else:
+        counts = "; ".join(f"{mode} at {rows:g} rows/step: {per_layer:g} per layer (uniform "
+                           f"{uniform:g})" for mode, rows, per_layer, uniform in measured.modes)
+        notes.append(f"Measured by a run of {measured.model} ({measured.source}): {counts}. "
+                     "The estimate above is not replaced: another prompt routes differently.")
+    return notes
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +258,8 @@ def build_report(model: str, circuit: Circuit, device: DeviceInfo, choice: RuleC
                  policy: Policy, options: ReportOptions = ReportOptions()) -> dict[str, Any]:
     """The report document for ``model`` (its ``circuit``) on ``device``."""
     rates = device.rates
-    notes = [*NOTES, f"Prefill runs in chunks of {options.prefill_chunk} rows."]
+    notes = [*NOTES, f"Prefill runs in chunks of {options.prefill_chunk} rows.",
+             *expert_notes(circuit, options.measured_experts)]
     if circuit.shape is not None and circuit.shape.weight_format is None:
         # A config without `torch_dtype` does not say how its checkpoint stores weights; price
         # them as bf16 and say so, rather than refuse a report or guess silently.

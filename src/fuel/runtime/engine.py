@@ -107,6 +107,28 @@ class EngineStats:
     build_s: Counter = field(default_factory=Counter)
     routes: Counter = field(default_factory=Counter)
     """Per (mode, branch, arm taken, device, the picker's reason): steps that took it."""
+    # MoE expert load, by mode: distinct experts read (summed over the MoE layers of every
+    # step), their bytes, the layer-steps counted, and what uniform routing would have read.
+    experts: Counter = field(default_factory=Counter)
+    expert_bytes: Counter = field(default_factory=Counter)
+    expert_layer_steps: Counter = field(default_factory=Counter)
+    experts_uniform: Counter = field(default_factory=Counter)
+    expert_shape: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per mode: (experts per layer, choices per token) of the MoE layers counted."""
+
+    def record_routing(self, mode: Mode, program: StepProgram, chosen: Sequence[Any]) -> None:
+        """Count the distinct experts each MoE layer of one step read (``chosen``: each layer's
+        ``[rows, k]`` expert ids, ``program.step.routing`` order)."""
+        from fuel.report.roofline import expected_distinct_experts
+
+        for probe, ids in zip(program.step.routing, chosen):
+            distinct = len(set(ids.reshape(-1).tolist()))
+            rows, top_k = ids.shape
+            self.experts[mode.value] += distinct
+            self.expert_bytes[mode.value] += distinct * probe.expert_bytes
+            self.expert_layer_steps[mode.value] += 1
+            self.experts_uniform[mode.value] += expected_distinct_experts(probe.experts, top_k, rows)
+            self.expert_shape[mode.value] = (probe.experts, top_k)
 
     def record(self, mode: Mode, program: StepProgram) -> None:
         self.steps[mode.value] += 1
@@ -121,9 +143,11 @@ class EngineStats:
 
     def reset(self) -> None:
         for counter in (self.steps, self.rows, self.launches, self.dispatched, self.builds,
-                        self.build_s, self.routes):
+                        self.build_s, self.routes, self.experts, self.expert_bytes,
+                        self.expert_layer_steps, self.experts_uniform):
             counter.clear()
         self.digests.clear()
+        self.expert_shape.clear()
 
 
 def runs_of(lengths: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -316,12 +340,18 @@ class Engine:
             feeds[cache.k_input] = self._caches[cache.k_input]
             feeds[cache.v_input] = self._caches[cache.v_input]
         seconds = None
+        chosen: tuple[Any, ...] = ()
         if timed:
             out, seconds = program.program.run_timed(feeds)
             logits, tokens = out[program.logits_root], out[program.tokens_root]
+            chosen = tuple(out[r] for r in program.routing_roots)
+        elif program.routing_roots:
+            logits, tokens, chosen = program.run_routed(feeds)
         else:
             logits, tokens = program.run(feeds)
         self.stats.record(mode, program)
+        if chosen:
+            self.stats.record_routing(mode, program, chosen)
         return StepResult(logits, tokens.reshape(-1).tolist(), program, seconds)
 
 

@@ -36,11 +36,13 @@ all_gather                 ``all_gather(x, dim, ranks)`` (the logits' vocabulary
 rope_kv_write              rope, then kv_write
 silu_mul_linear            silu_mul, then linear
 final_norm_lm_head_argmax  final_norm, then lm_head, then argmax
+router, top_k, expert_*,   the MoE constructions of :mod:`fuel.runtime.moe` (routing, experts
+blend, moe                 grouped by expert, the fused ``MOE`` op), registered below
 =========================  ==================================================================
 
 Invariants:
 - Strict: a group whose kernel has no construction here (another module's kernel, or an op fuel
-  cannot run yet: MoE routing, act_quant, gelu) raises :class:`NoConstruction` naming the rule
+  cannot run yet: act_quant, gelu) raises :class:`NoConstruction` naming the rule
   and the kernel; a group whose members are not the ops its construction expects raises
   :class:`ConstructionMismatch`. Nothing is silently skipped or substituted.
 - Fused nodes are emitted as fused nodes even where the backend has no kernel for them
@@ -68,6 +70,7 @@ from fuel.graph.dtype import DType
 from fuel.graph.ir import Graph, NodeId, Prim
 from fuel.graph.ops import OpKind
 from fuel.graph.registry import FusedOpParams, FusedOps
+from fuel.runtime import moe as _moe
 
 CPU_KERNEL_MODULE = "fuel.kernels.cpu"
 """The module every CPU rule's kernels name (``fuel/data/rules/cpu.toml``)."""
@@ -150,6 +153,9 @@ class DerivedKind(Enum):
     ROPE_COS = "rope_cos"
     ROPE_SIN = "rope_sin"
     """``[positions, head_dim]`` rotate-half RoPE tables (``cat(freqs, freqs)``)."""
+    EXPERT_STACK = "expert_stack"
+    """``[experts, rows, in]``: each expert's ``group`` tensors concatenated, experts stacked
+    (``fuel.runtime.moe.stack_experts``; ``sources`` is expert-major)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +184,8 @@ class DerivedWeight:
     positions: int = 0
     scaling: Llama3RopeScaling | None = None
     """A RoPE table's frequency scaling (``None``: Hugging Face's default RoPE)."""
+    group: int = 1
+    """An expert stack's tensors per expert (gate and up: 2)."""
 
 
 def rope_inverse_frequencies(theta: float, head_dim: int, scaling: Llama3RopeScaling | None):
@@ -248,10 +256,13 @@ class StepGraph:
     derived: tuple[DerivedWeight, ...]
     caches: tuple[CacheRef, ...]
     group_nodes: tuple[tuple[NodeId, ...], ...] = field(default=())
+    routing: tuple[Any, ...] = field(default=())
+    """One :class:`fuel.runtime.moe.RoutingProbe` per MoE layer (its chosen expert ids)."""
 
     @property
-    def roots(self) -> tuple[NodeId, NodeId]:
-        return (self.logits, self.tokens)
+    def roots(self) -> tuple[NodeId, ...]:
+        """``logits``, ``tokens``, then each routing probe's ids."""
+        return (self.logits, self.tokens, *(probe.node for probe in self.routing))
 
 
 # Input names (one spelling, shared with the engine that feeds them).
@@ -645,6 +656,8 @@ CONSTRUCTIONS: Mapping[str, Construction] = {
     "all_reduce": _all_reduce,
     "ep_reduce": _ep_reduce,
     "all_gather": _all_gather,
+    # Registration hook: the MoE constructions live in fuel.runtime.moe.
+    **{func: _expect(ops)(build) for func, (ops, build) in _moe.CONSTRUCTIONS.items()},
 }
 """``fuel.kernels.cpu::<func>`` → its graph construction (the table in the module docstring)."""
 
@@ -686,6 +699,11 @@ class _Lowerer:
         self._derived: dict[str, DerivedWeight] = {}
         self._rope: dict[tuple[float, int], tuple[NodeId, NodeId]] = {}
         self._caches: dict[str, CacheRef] = {}
+        self.routing: list[Any] = []
+        """Each MoE layer's :class:`fuel.runtime.moe.RoutingProbe` (extra roots of the step)."""
+
+    def members(self, group: Group) -> list[CircuitNode]:
+        return _members(self, group)
 
     # Params are strings in the circuit; a malformed one is the circuit's error, named here.
     def float_param(self, node: CircuitNode, key: str) -> float:
@@ -774,6 +792,13 @@ class _Lowerer:
             self._weights[name] = self.graph.weight(name, (rows, *first[1:]), self.dtype)
         return self._weights[name]
 
+    def derived_weight(self, spec: DerivedWeight, dims: tuple[int, ...]) -> NodeId:
+        """A weight built from checkpoint tensors (``spec``), one graph leaf per name."""
+        if spec.name not in self._weights:
+            self._derived[spec.name] = spec
+            self._weights[spec.name] = self.graph.weight(spec.name, dims, self.dtype)
+        return self._weights[spec.name]
+
     def rope_tables(self, theta: float, head_dim: int,
                     scaling: Llama3RopeScaling | None = None) -> tuple[NodeId, NodeId]:
         """cos/sin rows for this step's positions, ``[rows, 1, head_dim]`` (one pair per rope
@@ -822,7 +847,7 @@ class _Lowerer:
             dtype=self.dtype, inputs=tuple(self._inputs),
             weights=tuple(n for n in self._weights if n not in self._derived),
             derived=tuple(self._derived.values()), caches=tuple(self._caches.values()),
-            group_nodes=tuple(group_nodes))
+            group_nodes=tuple(group_nodes), routing=tuple(self.routing))
 
 
 def lower(plan: FusionPlan, circuit: Circuit, weights: Mapping[str, Any], shape: StepShape,
@@ -913,6 +938,8 @@ def expected_weight_shapes(circuit: Circuit, section: Section | None = None) -> 
                 expected[name] = (int(out or 0) // len(weights), width)
             for name in biases:
                 expected[name] = (int(out or 0) // len(biases),)
+        elif (moe_weights := _moe.expected_shapes(circuit, node)) is not None:
+            expected.update(moe_weights)
         elif node.bindings:
             raise NoConstruction(f"binding check of {node.id}", node.op.name())
     return expected

@@ -205,6 +205,9 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
         "jit": _jit_report(model),
         "weights": _weights_report(model),
     }
+    experts = expert_load(stats)
+    if experts:
+        result["experts"] = experts
     if speculate:
         proposed = sum(getattr(o, "speculation").proposed for o in outs)
         accepted = sum(getattr(o, "speculation").accepted for o in outs)
@@ -228,6 +231,27 @@ def _weights_report(model: Model) -> dict[str, Any]:
     return decode_traffic(model.weights)
 
 
+def expert_load(stats: Any) -> dict[str, Any]:
+    """Per mode, what the MoE layers read each step: distinct experts per layer (measured from
+    the step's routing, and what uniform routing, ``E * (1 - (1 - k/E)^T)``, would read at the
+    step's rows), distinct experts per step (all MoE layers) and their bytes."""
+    load: dict[str, Any] = {}
+    for mode, layer_steps in sorted(stats.expert_layer_steps.items()):
+        steps = stats.steps[mode]
+        if not layer_steps or not steps:
+            continue
+        experts, top_k = stats.expert_shape[mode]
+        load[mode] = {
+            "experts": experts, "top_k": top_k, "moe_layers": round(layer_steps / steps, 2),
+            "rows_per_step": round(stats.rows[mode] / steps, 2),
+            "distinct_experts_per_layer": round(stats.experts[mode] / layer_steps, 3),
+            "uniform_routing_per_layer": round(stats.experts_uniform[mode] / layer_steps, 3),
+            "distinct_experts_per_step": round(stats.experts[mode] / steps, 2),
+            "expert_bytes_per_step": round(stats.expert_bytes[mode] / steps),
+        }
+    return load
+
+
 def _jit_report(model: Model) -> dict[str, Any]:
     if model.jit is None:
         return {"enabled": False, "note": model.jit_note or "off (--no-jit)"}
@@ -236,5 +260,6 @@ def _jit_report(model: Model) -> dict[str, Any]:
             "store": str(model.jit.store_path) if model.jit.store_path else "default"}
 
 
-__all__ = ["DEFAULT_MODEL_NAME", "jit_options", "DRAFTERS", "Model", "load_model", "make_drafter", "report",
+__all__ = ["DEFAULT_MODEL_NAME", "jit_options", "DRAFTERS", "Model", "expert_load", "load_model",
+           "make_drafter", "report",
            "run_generation", "set_threads"]

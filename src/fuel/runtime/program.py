@@ -69,6 +69,10 @@ class WeightStore(Mapping[str, "torch.Tensor"]):
 
         if spec.kind is DerivedKind.CONCAT:
             value = torch.cat([self._tensors[name] for name in spec.sources], dim=0).contiguous()
+        elif spec.kind is DerivedKind.EXPERT_STACK:
+            from fuel.runtime.moe import stack_experts
+
+            value = stack_experts(self._tensors, spec.sources, spec.group)
         else:
             # Hugging Face's RoPE (default, or llama3-scaled frequencies), in float32, stored in
             # the model dtype: fuel.runtime.lower.rope_table.
@@ -123,6 +127,8 @@ class StepProgram:
     program: Any
     logits_root: int
     tokens_root: int
+    routing_roots: tuple[int, ...] = ()
+    """The roots holding each MoE layer's chosen expert ids (``step.routing`` order)."""
     routing: Any = None
     """For a graph that keeps live branches (placement arms): a :class:`_Routing` that resolves
     them per step through the route picker with live signals; None when nothing is live."""
@@ -157,6 +163,13 @@ class StepProgram:
             program = self.routing.program_for(self.last_route.arms)
         out = program.run(feeds)
         return out[self.logits_root], out[self.tokens_root]
+
+    def run_routed(self, feeds: Mapping[str, Any]
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """:meth:`run`, plus each MoE layer's chosen expert ids ``[rows, k]``."""
+        out = self.program.run(feeds)
+        return (out[self.logits_root], out[self.tokens_root],
+                tuple(out[r] for r in self.routing_roots))
 
     def runtime_fused_executed(self) -> int:
         """Kernel calls per step served by adopted (runtime fused) kernels."""
@@ -289,7 +302,7 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
         optimized = _optimize_with_jit(step, store, table, options, session)
     else:
         optimized = optimize_graph(step.graph, step.roots, options)
-    logits_root, tokens_root = optimized.roots
+    logits_root, tokens_root, *routing_roots = optimized.roots
     backend = options.device.backend if options.device else BackendId.CPU
 
     def compile_route(route: Mapping[int, int]):
@@ -298,7 +311,8 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
 
     program = compile_route(optimized.route)
     return StepProgram(step, optimized, program, logits_root, tokens_root,
-                       _routing(step, optimized, options, routed, compile_route))
+                       routing_roots=tuple(routing_roots),
+                       routing=_routing(step, optimized, options, routed, compile_route))
 
 
 def _routing(step: StepGraph, optimized: OptimizedGraph, options: OptimizeOptions,
