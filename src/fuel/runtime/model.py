@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fuel.kernels.threads import set_threads
 from fuel.runtime.engine import Engine
 from fuel.runtime.generate import Generation, generate, generate_batch
 from fuel.runtime.speculative import (
@@ -61,18 +62,6 @@ def jit_options(table: Any, *, store_path: Path | None = None, synthesizer: Any 
     session = JitSession(table, synthesizer=synthesizer, store_path=store_path, profile=profile)
     return ProgramOptions(OptimizeOptions(table=table, device_spec=device_spec("cpu-local")),
                           session)
-
-
-def set_threads(threads: int | None) -> int:
-    """Use ``threads`` torch threads (default: every core); returns the count in effect. The
-    benchmark sets the same count for both sides."""
-    import os
-
-    import torch
-
-    count = threads or os.cpu_count() or 1
-    torch.set_num_threads(count)
-    return count
 
 
 def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_context: int = 2048,
