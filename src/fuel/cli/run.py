@@ -44,6 +44,10 @@ ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="Torch 
 ContextOpt = Annotated[int, typer.Option("--max-context", min=16, help="Longest sequence (prompt + generated) the KV cache holds.")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Apply the model's chat template.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of text.")]
+ProgramCacheOpt = Annotated[bool, typer.Option(
+    "--program-cache/--no-program-cache",
+    help="Restore step programs an earlier run built on this machine, and store new ones "
+         "($FUEL_CACHE_DIR/programs).")]
 JitOpt = Annotated[bool | None, typer.Option(
     "--jit/--no-jit", help="Synthesize numba kernels for the fused ops the CPU has no kernel for "
                            "(paged attention, residual_add_rms_norm), measure them against their "
@@ -52,7 +56,9 @@ JitOpt = Annotated[bool | None, typer.Option(
 
 def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, speculate: int,
               drafter: str, batch: int, dtype: str, threads: int | None, max_context: int,
-              chat: bool, as_json: bool, jit: bool | None = None) -> dict[str, Any]:
+              chat: bool, as_json: bool, jit: bool | None = None,
+              program_cache: bool = True) -> dict[str, Any]:
+    from fuel.cli.progress import BuildProgress
     from fuel.jit.session import numba_available
     from fuel.runtime.model import load_model, run_generation, set_threads
 
@@ -60,7 +66,8 @@ def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, spe
     texts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     jit = numba_available() if jit is None else jit
     loaded = load_model(model, dtype=dtype, max_context=max_context,
-                        max_sequences=max(len(texts), 1), jit=jit)
+                        max_sequences=max(len(texts), 1), jit=jit, program_cache=program_cache,
+                        on_build=BuildProgress())
     console = Console(highlight=False)
     stream = None if as_json or len(texts) > 1 else (lambda text: console.print(text, end="", markup=False))
     if stream is not None:
@@ -92,7 +99,12 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
     builds = result["program_builds"]
     if builds:
         console.print("program builds (lower + optimize + JIT adoption + Judge measurement): " + ", ".join(
-            f"{mode} {row['count']} in {row['seconds']:.2f} s" for mode, row in builds.items()))
+            f"{mode} {row['count']} in {row['seconds']:.2f} s"
+            + (f" ({row['restored_from_disk']} restored from disk)" if row.get("restored_from_disk") else "")
+            for mode, row in builds.items()))
+    cache = result.get("program_cache")
+    for note in (cache or {}).get("notes", []):
+        console.print(f"program cache: {note}")
     if "speculation" in result:
         spec = result["speculation"]
         rate_text = f"{spec['acceptance_rate']:.1%}" if spec["acceptance_rate"] is not None else "-"
@@ -155,17 +167,18 @@ def print_jit(console: Console, result: dict[str, Any]) -> None:
 def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens: MaxNewOpt = 64,
                 speculate: SpeculateOpt = 0, drafter: DrafterOpt = "early-exit", batch: BatchOpt = 1,
                 dtype: DtypeOpt = "f32", threads: ThreadsOpt = None, max_context: ContextOpt = 2048,
-                chat: ChatOpt = True, as_json: JsonOpt = False, jit: JitOpt = None) -> None:
+                chat: ChatOpt = True, as_json: JsonOpt = False, jit: JitOpt = None,
+                program_cache: ProgramCacheOpt = True) -> None:
     """Generate text with a real model on the CPU and report what ran."""
     run_model(model, prompt or [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=speculate,
               drafter=drafter, batch=batch, dtype=dtype, threads=threads, max_context=max_context,
-              chat=chat, as_json=as_json, jit=jit)
+              chat=chat, as_json=as_json, jit=jit, program_cache=program_cache)
 
 
 @app.command("demo")
 def demo_command(max_new_tokens: MaxNewOpt = 64, dtype: DtypeOpt = "f32", as_json: JsonOpt = False,
-                 jit: JitOpt = None) -> None:
+                 jit: JitOpt = None, program_cache: ProgramCacheOpt = True) -> None:
     """fuel's main job: run the built-in default model (SmolLM2-135M-Instruct) on a built-in prompt."""
     run_model(None, [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=0, drafter="early-exit",
               batch=1, dtype=dtype, threads=None, max_context=2048, chat=True, as_json=as_json,
-              jit=jit)
+              jit=jit, program_cache=program_cache)

@@ -126,6 +126,9 @@ class JitSession:
     events: list[AdoptionEvent] = field(default_factory=list)
     measured: list[Any] = field(default_factory=list)
     """The Judge rows this session measured and stored."""
+    adopted: dict[int, JitRequest] = field(default_factory=dict)
+    """The request each adopted runtime fused id was synthesized for (the program cache stores
+    it with a program, to bind the same kernel in a later process)."""
     _tried: dict[tuple[str, str], AdoptionEvent] = field(default_factory=dict)
     _judge: Any = None
 
@@ -151,6 +154,8 @@ class JitSession:
                                   record)
             self._tried[key] = event
             self.events.append(event)
+            if record.adopted and record.runtime_id is not None:
+                self.adopted.setdefault(record.runtime_id, request)
             new.append(event)
         return new
 

@@ -231,7 +231,6 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
                   options: OptimizeOptions | ProgramOptions | None = None) -> StepProgram:
     """Optimize ``step``'s graph in place, then compile it against ``table`` and ``store``."""
     from fuel.optimize.optimize import OptimizeOptions, optimize_graph
-    from fuel.runtime.executor import compile_program
 
     for spec in step.derived:
         store.derive(spec)
@@ -243,9 +242,21 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
         optimized = _optimize_with_jit(step, store, table, options, session)
     else:
         optimized = optimize_graph(step.graph, step.roots, options)
+    backend = options.device.backend if options.device else BackendId.CPU
+    return compile_step(step, optimized, store, table, backend)
+
+
+def compile_step(step: StepGraph, optimized: OptimizedGraph, store: WeightStore,
+                 table: KernelBindingTable, backend: BackendId) -> StepProgram:
+    """Compile an optimized step against ``table`` and ``store`` (its derived weights built
+    first): the last stage of :func:`build_program`, and all a restored program needs
+    (:mod:`fuel.runtime.program_cache`)."""
+    from fuel.runtime.executor import compile_program
+
+    for spec in step.derived:
+        store.derive(spec)
     logits_root, tokens_root = optimized.roots
     lowered = lower_order(step.graph, optimized.roots, optimized.route)
-    backend = options.device.backend if options.device else BackendId.CPU
     program = compile_program(step.graph, lowered, table, backend, store, Device(backend))
     return StepProgram(step, optimized, program, logits_root, tokens_root)
 
@@ -262,4 +273,4 @@ def dispatch_census(program: StepProgram) -> dict[str, int]:
 
 
 __all__ = ["BakeSummary", "ProgramOptions", "StepProgram", "WeightStore", "build_program",
-           "dispatch_census", "probe_feeds"]
+           "compile_step", "dispatch_census", "probe_feeds"]
