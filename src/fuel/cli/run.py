@@ -39,7 +39,7 @@ MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="T
 SpeculateOpt = Annotated[int, typer.Option("--speculate", "-k", min=0, help="Draft K tokens per verify step (0: plain decode).")]
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="early-exit (the circuit's draft head) or prompt-lookup.")]
 BatchOpt = Annotated[int, typer.Option("--batch", "-b", min=1, help="Sequences decoded together (prompts repeat to fill).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="f32, bf16 or f16 (weights and KV cache stored so).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="f32 or bf16.")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, help="Torch threads (default: every core).")]
 ContextOpt = Annotated[int, typer.Option("--max-context", min=16, help="Longest sequence (prompt + generated) the KV cache holds.")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Apply the model's chat template.")]

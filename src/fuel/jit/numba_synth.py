@@ -489,7 +489,8 @@ class _PagedRunner:
     """The paged-attention template's two bodies behind one kernel.
 
     - **Decode** (fewer than :data:`PREFILL_MIN_ROWS` query rows): the numba loop above, serial
-      (one row gains nothing from threads; :mod:`fuel.kernels.threads`).
+      (one row gains nothing from threads; :mod:`fuel.kernels.threads`); a bf16/f16 cache is
+      upcast to f32 only for the blocks the step's tables name.
     - **Prefill** (a prompt chunk, a verify step): causal attention over the whole chunk as one
       torch ``scaled_dot_product_attention`` call on torch's pool: the sequences' cached rows
       gathered through the block table, query row ``i`` of a sequence with context ``c`` seeing
@@ -516,11 +517,19 @@ class _PagedRunner:
             return self._prefill(q, k_cache, v_cache, block_table, context_lens)
         torch = self._torch
         as_f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
-        q32, k32, v32 = as_f32(q), as_f32(k_cache), as_f32(v_cache)
+        table = block_table.contiguous()
+        if k_cache.dtype == torch.float32:
+            k32, v32 = as_f32(k_cache), as_f32(v_cache)
+        else:
+            # A half-precision cache: upcast only the blocks the tables name (not the whole
+            # cache, every call), and read them through a table renumbered to match.
+            used = table.reshape(-1).to(torch.int64)
+            k32, v32 = as_f32(k_cache.index_select(0, used)), as_f32(v_cache.index_select(0, used))
+            table = torch.arange(used.numel()).to(table.dtype).reshape(table.shape)
+        q32 = as_f32(q)
         out = torch.empty(q32.shape, dtype=torch.float32)
-        self._kernel(out.numpy(), q32.numpy(), k32.numpy(), v32.numpy(),
-                     block_table.contiguous().numpy(), context_lens.contiguous().numpy(),
-                     self._scale, self._softcap)
+        self._kernel(out.numpy(), q32.numpy(), k32.numpy(), v32.numpy(), table.numpy(),
+                     context_lens.contiguous().numpy(), self._scale, self._softcap)
         return out if self._dtype == torch.float32 else out.to(self._dtype)
 
     def _prefill(self, q, k_cache, v_cache, block_table, context_lens):

@@ -346,7 +346,7 @@ class Engine:
 def _graph_dtype(dtype: Any):
     from fuel.graph.dtype import DType
 
-    return {"torch.bfloat16": DType.BF16, "torch.float16": DType.F16}.get(str(dtype), DType.F32)
+    return DType.BF16 if str(dtype) == "torch.bfloat16" else DType.F32
 
 
 def _input_node(step, name: str) -> int:

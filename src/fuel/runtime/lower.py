@@ -771,7 +771,7 @@ class _ShapeView(Mapping[str, tuple[int, ...]]):
 
 def _dtype_of(weights: Mapping[str, Any]) -> DType:
     dtype = getattr(weights, "dtype", None)
-    if dtype is not None and hasattr(dtype, "value") and dtype.value in ("f32", "bf16", "f16"):
+    if dtype is not None and hasattr(dtype, "value") and dtype.value in ("f32", "bf16"):
         return DType(dtype.value)
     for value in weights.values():
         return _GRAPH_DTYPES.get(str(getattr(value, "dtype", "")).removeprefix("torch."), DType.F32)

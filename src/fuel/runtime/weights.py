@@ -114,7 +114,6 @@ class DType(Enum):
 
     F32 = "f32"
     BF16 = "bf16"
-    F16 = "f16"
 
     @classmethod
     def parse(cls, value: DType | str) -> DType:
@@ -123,14 +122,13 @@ class DType(Enum):
         try:
             return cls(value)
         except ValueError:
-            raise InputError("--dtype", "dtype", f"{value!r} is not one of f32, bf16, f16") from None
+            raise InputError("--dtype", "dtype", f"{value!r} is not one of f32, bf16") from None
 
     @property
     def torch(self) -> torch.dtype:
         import torch
 
-        return {DType.F32: torch.float32, DType.BF16: torch.bfloat16,
-                DType.F16: torch.float16}[self]
+        return {DType.F32: torch.float32, DType.BF16: torch.bfloat16}[self]
 
 
 class SourceKind(Enum):
