@@ -37,8 +37,17 @@ def convert(source: str, target: str, dtype: str) -> dict:
     return {"target": target, "dtype": dtype, "status": int(status)}
 
 
-def measure(model: str, threads: int, prompts: list[list[int]], tokens: int, t0: float) -> dict:
+def greedy(llm) -> int:
+    """Argmax of the last evaluated row's logits (read from the context: with ``logits_all``
+    off, llama-cpp-python 0.3.36 keeps no scores of its own)."""
+    import llama_cpp
     import numpy as np
+
+    row = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return int(np.argmax(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),))))
+
+
+def measure(model: str, threads: int, prompts: list[list[int]], tokens: int, t0: float) -> dict:
     from llama_cpp import Llama
 
     started = time.perf_counter()
@@ -51,7 +60,7 @@ def measure(model: str, threads: int, prompts: list[list[int]], tokens: int, t0:
         llm.reset()
         started = time.perf_counter()
         llm.eval(ids)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = greedy(llm)
         prefill_s = time.perf_counter() - started
         row = {"prompt_tokens": len(ids), "prefill_s": prefill_s, "tokens": [token]}
         if index == 0:
@@ -59,7 +68,7 @@ def measure(model: str, threads: int, prompts: list[list[int]], tokens: int, t0:
             started = time.perf_counter()
             for _ in range(tokens - 1):
                 llm.eval([token])
-                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                token = greedy(llm)
                 row["tokens"].append(token)
             row["decode_s"] = time.perf_counter() - started
             row["decode_tokens"] = tokens - 1
