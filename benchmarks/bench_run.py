@@ -1,18 +1,30 @@
-"""Decode tokens/s of ``fuel run`` against transformers' eager ``generate``, same weights, dtype
-and thread count, measured in one process; and the machine's memory-bandwidth floor.
+"""``fuel run`` against llama.cpp (and transformers) on the same weights, dtype, threads and prompt
+token ids; new processes, engines interleaved; printed as fuel / peer ratios.
 
-For each dtype (f32 and bf16 by default) it prints fuel's decode rate (the decode steps of a
-``fuel run`` generation, after a warm-up run that builds the programs), transformers'
-(``LlamaForCausalLM`` built from the very tensors fuel loaded, ``attn_implementation="eager"``,
-greedy ``generate``; decode time = time for N tokens minus time for 1), their ratio (target
->= 2x), and the bandwidth floor: the weight bytes a decode step must read (every distinct
-tensor once; the tied embedding is read whole as the LM head) over the streaming bandwidth the
-``cpu-local`` probe measured with the same thread count, with fuel's distance from it (target
-within 3x at bf16). fuel runs twice per dtype: ``--no-jit`` (paged attention and
-residual_add_rms_norm decomposed) and ``--jit`` (adopted numba kernels where the Judge measured
-them faster; the first JIT run adopts and measures, the timed runs reuse the programs). Usage::
+**llama.cpp** (``--peer llama``, the default when its interpreter exists): the shipped Q4_1
+GGUF of SmolLM2-135M-Instruct converted to f32, f16 and bf16 by ``llama_cpp.llama_model_quantize``
+(requantization allowed; cached under ``$FUEL_CACHE_DIR/bench/llama``), so both engines hold the
+same values. llama-cpp-python lives in its own venv and runs ``benchmarks/peer_llama.py`` as a
+subprocess: fuel's process never imports it, and CI never needs it. Install it once (a 15-25
+minute source build on 2 cores)::
 
-    .venv/bin/python benchmarks/bench_run.py [--tokens 64] [--threads N] [--dtype f32 --dtype bf16] [--jit on --jit off]
+    python -m venv /work/peer/llama && /work/peer/llama/bin/pip install llama-cpp-python==0.3.36
+
+and point ``--llama-python`` (or ``$FUEL_LLAMA_PYTHON``) at ``/work/peer/llama/bin/python``.
+
+Each repeat spawns, in alternating order, one fuel process and one llama.cpp process per dtype.
+Each process loads the model, then prefills the 40-token chat prompt and decodes ``--tokens``
+greedy tokens, then prefills a 512-token prompt. It reports: time to first token (from the
+parent's clock before the spawn: process start, imports, load, prefill), prefill tokens/s of each
+prompt and decode tokens/s. fuel's prefill and decode rates leave out program builds (its first
+process per dtype builds them and stores them on disk; later processes restore them: the table
+says how many were restored), the first-token time includes them. Medians over ``--repeats``.
+
+**transformers** (``--peer transformers``): the earlier in-process comparison of decode rates
+against ``generate`` (eager attention) and the memory-bandwidth floor. Usage::
+
+    .venv/bin/python benchmarks/bench_run.py [--peer llama|transformers] [--dtype f32 --dtype bf16]
+        [--tokens 64] [--threads 2] [--repeats 3] [--llama-python PATH]
 
 ``--stored`` instead runs the shipped Q4_1 file in its stored formats (:func:`stored_q4_1`):
 fuel's decode rate with the quantized kernels the bake adopted, llama.cpp's on the same file,
@@ -26,8 +38,12 @@ the floor)::
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 PROMPT = "Write a short paragraph about the history of the bicycle."
 
@@ -143,19 +159,223 @@ def stored_q4_1(args) -> None:
     print(f"  ratio fuel / llama.cpp: {rate / peer:6.2f}x (target >= 1.0x)")
 
 
+LONG_TEXT = ("The history of the bicycle spans more than two centuries, from the wooden "
+             "running machines of the early nineteenth century to the carbon frames of today. ")
+LLAMA_DTYPES = ("f32", "f16", "bf16")
+FUEL_DTYPES = ("f32", "bf16")
+INSTALL = ("python -m venv /work/peer/llama && /work/peer/llama/bin/pip install "
+           "llama-cpp-python==0.3.36")
+
+
+def prompt_ids() -> list[list[int]]:
+    """The two prompts as token ids (fuel's tokenizer; llama.cpp is fed the same ids): the chat
+    prompt (~40 tokens) and exactly 512 tokens of running text."""
+    from fuel.runtime.tokenizer import load_tokenizer
+    from fuel.runtime.weights import default_model_path
+
+    tokenizer = load_tokenizer(default_model_path())
+    short = tokenizer.encode(tokenizer.format_prompt(PROMPT))
+    text = LONG_TEXT
+    while len(tokenizer.encode(text)) < 512:
+        text += LONG_TEXT
+    return [short, tokenizer.encode(text)[:512]]
+
+
+def fuel_worker(args) -> dict:
+    """One fuel process's measurements (``--worker fuel``): see the module docstring."""
+    import time as clock
+
+    from fuel.circuit.rules import Mode
+    from fuel.runtime.generate import generate
+    from fuel.runtime.model import load_model, set_threads
+
+    set_threads(args.threads)
+    started = clock.perf_counter()
+    model = load_model(None, dtype=args.dtype[0], max_context=1024, progress=False, jit=True,
+                       program_cache=True)
+    load_s = clock.perf_counter() - started
+    with open(args.prompts) as handle:
+        prompts = json.load(handle)
+    engine = model.engine
+    out: dict = {"engine": "fuel", "load_s": load_s, "prompts": []}
+    first: list[float] = []
+    for index, ids in enumerate(prompts):
+        engine.stats.reset()
+        tokens = args.tokens if index == 0 else 1
+        gen = generate(engine, ids, tokens, stop=(),
+                       on_token=lambda _: first.append(clock.time()) if not first else None)
+        stats = engine.stats
+        row = {"prompt_tokens": len(ids), "tokens": gen.tokens,
+               "prefill_s": gen.timing.prefill_s - stats.build_s[Mode.PREFILL.value],
+               "prefill_with_builds_s": gen.timing.prefill_s,
+               "builds": sum(stats.builds.values()), "restored": sum(stats.restored.values()),
+               "decode_calls_per_step": (round(stats.dispatched["decode"] / stats.steps["decode"], 1)
+                                         if stats.steps["decode"] else None)}
+        if index == 0:
+            out["ttft_s"] = first[0] - args.t0
+            row["decode_s"] = gen.timing.decode_s - stats.build_s[Mode.DECODE.value]
+            row["decode_tokens"] = gen.timing.decode_tokens
+        out["prompts"].append(row)
+    return out
+
+
+def llama_python(option: str | None) -> str | None:
+    import os
+
+    for candidate in (option, os.environ.get("FUEL_LLAMA_PYTHON"), "/work/peer/llama/bin/python"):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+def llama_models(python: str, dtypes) -> dict[str, Path]:
+    """The shipped Q4_1 GGUF converted to each dtype (once; cached)."""
+    import subprocess
+
+    from fuel.cost.paths import cache_dir
+    from fuel.runtime.weights import default_model_path
+
+    folder = cache_dir() / "bench" / "llama"
+    folder.mkdir(parents=True, exist_ok=True)
+    models = {}
+    for dtype in dtypes:
+        target = folder / f"smollm2-135m-instruct-{dtype}.gguf"
+        if not target.exists():
+            temp = target.with_suffix(".tmp")
+            done = subprocess.run([python, str(HERE / "peer_llama.py"), "convert",
+                                   str(default_model_path()), str(temp), dtype],
+                                  capture_output=True, text=True)
+            if done.returncode != 0 or json.loads(done.stdout.splitlines()[-1])["status"] != 0:
+                raise RuntimeError(f"llama.cpp could not convert to {dtype}: "
+                                   f"{(done.stderr or done.stdout)[-400:]}")
+            temp.replace(target)
+        models[dtype] = target
+    return models
+
+
+def spawn(command: list[str]) -> dict:
+    import subprocess
+
+    command = [part.replace("{t0}", repr(time.time())) for part in command]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_main(args, python: str) -> None:
+    import sys
+    import tempfile
+
+    threads = args.threads or 2
+    dtypes = args.dtype or list(LLAMA_DTYPES)
+    prompts = prompt_ids()
+    models = llama_models(python, dtypes)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(prompts, handle)
+    common = ["--threads", str(threads), "--prompts", handle.name, "--tokens", str(args.tokens),
+              "--t0", "{t0}"]
+    results: dict[tuple[str, str], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for dtype in dtypes:
+            runs = {"fuel": [sys.executable, str(Path(__file__).resolve()), "--worker", "fuel",
+                             "--dtype", dtype, *common],
+                    "llama.cpp": [python, str(HERE / "peer_llama.py"), "measure",
+                                  str(models[dtype]), *common]}
+            order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]
+            for engine in order:
+                if engine == "fuel" and dtype not in FUEL_DTYPES:
+                    result = {"error": f"fuel runs {', '.join(FUEL_DTYPES)} only (its recipes "
+                                       f"compute in the storage dtype; {dtype} overflows in rms_norm)"}
+                else:
+                    result = spawn(runs[engine])
+                results.setdefault((dtype, engine), []).append(result)
+                print(f"  repeat {repeat + 1} {dtype:>4} {engine:<9} "
+                      + (f"error: {result['error']}" if "error" in result else
+                         f"ttft {result['ttft_s']:.2f} s, decode "
+                         f"{rate(result, 0, 'decode'):.1f} tok/s"), flush=True)
+    print(f"\nSmolLM2-135M-Instruct, {threads} threads, prompts {len(prompts[0])} and "
+          f"{len(prompts[1])} tokens, {args.tokens} decode tokens, medians of {args.repeats} "
+          "new processes per engine (busy machine: read the ratios, not the absolutes)")
+    header = (f"{'dtype':<6}{'metric':<28}{'fuel':>10}{'llama.cpp':>11}{'fuel/llama':>12}")
+    print(header)
+    print("-" * len(header))
+    for dtype in dtypes:
+        fuel, peer = results[(dtype, "fuel")], results[(dtype, "llama.cpp")]
+        for label, of in (("decode tok/s", lambda r: rate(r, 0, "decode")),
+                          (f"prefill tok/s ({len(prompts[0])} tok)", lambda r: rate(r, 0, "prefill")),
+                          (f"prefill tok/s ({len(prompts[1])} tok)", lambda r: rate(r, 1, "prefill")),
+                          ("time to first token s", lambda r: r["ttft_s"]),
+                          ("first process ttft s", None)):
+            if of is None:
+                a = fuel[0].get("ttft_s") if "error" not in fuel[0] else None
+                b = peer[0].get("ttft_s") if "error" not in peer[0] else None
+            else:
+                a, b = median_of(fuel, of), median_of(peer, of)
+            ratio = f"{a / b:10.2f}x" if a and b else f"{'-':>11}"
+            print(f"{dtype:<6}{label:<28}{fmt(a):>10}{fmt(b):>11}{ratio:>12}")
+        ok = [r for r in fuel if "error" not in r]
+        if ok:
+            calls = ok[-1]["prompts"][0]["decode_calls_per_step"]
+            restored = [f"{r['prompts'][0]['restored']}/{r['prompts'][0]['builds']}" for r in ok]
+            same = [r["prompts"][0]["tokens"] for r in ok] + [
+                r["prompts"][0]["tokens"] for r in peer if "error" not in r]
+            agree = sum(a == b for a, b in zip(same[0], same[-1])) if len(same) > 1 else None
+            print(f"{'':<6}fuel: {calls} kernel calls per decode step; programs restored from "
+                  f"disk per process (restored/needed): {', '.join(restored)}; greedy tokens equal "
+                  f"to llama.cpp's: {agree}/{len(same[0])}")
+
+
+def rate(result: dict, prompt: int, what: str) -> float:
+    row = result["prompts"][prompt]
+    tokens = row["decode_tokens"] if what == "decode" else row["prompt_tokens"]
+    return tokens / row[f"{what}_s"]
+
+
+def median_of(results: list[dict], of) -> float | None:
+    values = [of(r) for r in results if "error" not in r]
+    return statistics.median(values) if values else None
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peer", choices=["llama", "transformers"], default=None)
+    parser.add_argument("--llama-python", default=None)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", action="append", choices=["f32", "bf16"])
+    parser.add_argument("--dtype", action="append", choices=["f32", "f16", "bf16"])
     parser.add_argument("--jit", action="append", choices=["off", "on"])
     parser.add_argument("--stored", action="store_true", help="the Q4_1 file in its stored formats")
-    parser.add_argument("--llama-python", default="/work/peer/llama/bin/python")
+    parser.add_argument("--worker", choices=["fuel"], help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "fuel":
+        print(json.dumps(fuel_worker(args)))
+        return
+    python = llama_python(args.llama_python)
     if args.stored:
+        args.llama_python = python or ""
         stored_q4_1(args)
         return
+    peer = args.peer or ("llama" if python else "transformers")
+    if peer == "llama":
+        if python is None:
+            raise SystemExit(f"llama.cpp peer not found: install it with `{INSTALL}` and pass "
+                             "--llama-python /work/peer/llama/bin/python")
+        llama_main(args, python)
+    else:
+        if python is None:
+            print(f"(llama.cpp peer not installed: `{INSTALL}`; comparing with transformers)")
+        transformers_main(args)
+
+
+def transformers_main(args) -> None:
 
     from fuel.cost.probe import cpu_local_spec
     from fuel.runtime.model import load_model, set_threads

@@ -8,7 +8,10 @@ shown as ``paged_attn (decomposed)``, so the table says what a fused kernel woul
 last lines give the step's node time against its wall time (the difference is the engine's
 per-step Python: feeds, block tables) and the matmul share. Usage::
 
-    .venv/bin/python benchmarks/profile_step.py [--dtype f32|bf16] [--steps 16] [--threads N]
+    .venv/bin/python benchmarks/profile_step.py [--dtype f32|bf16] [--steps 16] [--threads N] [--jit]
+
+``--jit`` builds the programs as ``fuel run`` does (adopted numba kernels where the Judge measured
+them faster; programs restored from the on-disk program cache when an earlier run built them).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def main() -> None:
     parser.add_argument("--jit", action="store_true", help="adopt numba kernels first (stored formats need them)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--jit", action="store_true")
     args = parser.parse_args()
 
     from fuel.circuit.rules import Mode
@@ -71,7 +75,8 @@ def main() -> None:
     from fuel.runtime.model import load_model, set_threads
 
     threads = set_threads(args.threads)
-    model = load_model(None, dtype=args.dtype, max_context=512, progress=False, jit=args.jit)
+    model = load_model(None, dtype=args.dtype, max_context=512, progress=False, jit=args.jit,
+                       program_cache=args.jit)
     engine = model.engine
     ids = model.tokenizer.encode(model.tokenizer.format_prompt(PROMPT))
     engine.add_sequence("profile")
@@ -96,7 +101,8 @@ def main() -> None:
     node_total = sum(seconds for _, _, seconds in rows)
     wall = statistics.median(walls)
     calls_total = sum(calls for _, calls, _ in rows)
-    print(f"decode step census: {args.dtype}, {threads} threads, prompt {len(ids)} tokens, "
+    print(f"decode step census: {args.dtype}, {threads} threads, jit {'on' if args.jit else 'off'}, "
+          f"prompt {len(ids)} tokens, "
           f"median of {args.steps} timed steps")
     print(f"{'op':<36}{'calls/step':>11}{'share':>8}{'us/call':>10}")
     for label, calls, seconds in rows:

@@ -1,6 +1,6 @@
 """Run fuel's benchmarks: every ``bench_*.py`` in this folder, or the ones named.
 
-Usage: .venv/bin/python benchmarks/run.py [NAME ...]     (NAME: fuser, executor, cost, bake, jit, plan, run, serve)
+Usage: .venv/bin/python benchmarks/run.py [NAME ...]     (NAME: fuser, executor, threads, cost, bake, jit, plan, run, serve)
 
 Each benchmark measures fuel against a peer in the same run (the direct torch calls, the Judge's
 measurement, the decomposed region, transformers' ``generate``) and prints ratios: these
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("fuser", "executor", "cost", "bake", "jit", "plan", "run", "serve")
+ORDER = ("fuser", "executor", "threads", "cost", "bake", "jit", "plan", "run", "serve")
 
 
 def main(argv: list[str]) -> int:

@@ -59,10 +59,16 @@ def test_row_wise_kernel_matches_its_decomposition(numba_synth, name, dtype):
 @pytest.mark.parametrize("case", [
     dict(), dict(dtype=BF16), dict(softcap=5.0), dict(q_len=3), dict(index=DType.I32),
     dict(batch=1, q_heads=9, kv_heads=3, head_dim=64, block=16, per_seq=8, blocks=12),
-], ids=["f32", "bf16", "softcap", "three_queries", "i32_indices", "smollm2_heads"])
+    dict(batch=1, q_len=16, per_seq=4), dict(batch=1, q_len=16, per_seq=4, dtype=BF16),
+    dict(q_len=8, per_seq=5), dict(softcap=5.0, q_len=4),
+], ids=["f32", "bf16", "softcap", "three_queries", "i32_indices", "smollm2_heads",
+        "prefill_whole_context", "prefill_whole_context_bf16", "prefill_after_cached_rows",
+        "softcap_several_queries"])
 def test_paged_attention_template_matches_its_decomposition(numba_synth, case):
     # Why: the template must compute the recipe: gather through the block table, mask by the
-    # context length (queries at the last positions), GQA groups, soft-cap when present.
+    # context length (queries at the last positions), GQA groups, soft-cap when present; at
+    # several query rows its prefill body (one causal SDPA call) must too, both when the chunk
+    # is the whole context (is_causal) and when it follows cached rows (an offset mask).
     g, node, feeds = paged(**case)
     kernel = synthesize_and_take(numba_synth, request_for(g, node))
     got = kernel.run(*feeds.values())
@@ -152,11 +158,15 @@ def test_one_kernel_serves_every_row_count(numba_synth):
         assert check.ok, check.report
 
 
-def test_the_parallel_variant_matches_too(numba_synth):
-    # Why: large calls take the prange variant; it must compute the same rows.
+def test_kernels_never_use_a_second_thread_pool_and_large_calls_match(numba_synth):
+    # Why: numba's parallel layer competes with torch's OpenMP pool for the same cores (a
+    # scheduler time slice per hand-over), so every kernel is compiled serial; a large call
+    # must still compute every row.
     g, node = fused_node(FusedOps.RMS_NORM, FusedOpParams.RmsNorm(1e-5), [[1100, 64], [64]],
                          [F32, F32])
     kernel = synthesize_and_take(numba_synth, request_for(g, node))
+    assert "parallel=False" in kernel.source and "prange" not in kernel.source
+    assert "parallel=True" not in kernel.source
     feeds = float_feeds(g, node)
     x = feeds["in0"]
     assert x.numel() >= 1 << 16

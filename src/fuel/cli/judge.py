@@ -140,9 +140,9 @@ def profile(
     dims = ModelDims.from_config(zoo.config(model))
     items = [w for w in workloads(dims, element) if w.family in wanted]
     if threads is not None:
-        import torch
+        from fuel.kernels.threads import set_threads
 
-        torch.set_num_threads(threads)
+        set_threads(threads)
     console = Console()
     skipped: list[str] = []
     with JudgeStore.open(_store_path(store)) as judge, Progress(

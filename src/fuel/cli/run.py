@@ -57,6 +57,10 @@ TpOpt = Annotated[int, typer.Option(
     "--tp", min=1, help="Tensor-parallel ranks: one process per rank on torch.distributed "
                         "(gloo on 127.0.0.1); refused when the model's heads do not divide.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of text.")]
+ProgramCacheOpt = Annotated[bool, typer.Option(
+    "--program-cache/--no-program-cache",
+    help="Restore step programs an earlier run built on this machine, and store new ones "
+         "($FUEL_CACHE_DIR/programs).")]
 JitOpt = Annotated[bool | None, typer.Option(
     "--jit/--no-jit", help="Synthesize numba kernels for the fused ops the CPU has no kernel for "
                            "(paged attention, residual_add_rms_norm), measure them against their "
@@ -91,7 +95,9 @@ def check_run_options(prompts: list[str], *, speculate: int, drafter: str | None
 
 def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, speculate: int,
               drafter: str | None, batch: int, dtype: str, threads: int | None, max_context: int,
-              chat: bool, as_json: bool, jit: bool | None = None) -> dict[str, Any]:
+              chat: bool, as_json: bool, jit: bool | None = None,
+              program_cache: bool = True) -> dict[str, Any]:
+    from fuel.cli.progress import BuildProgress
     from fuel.jit.session import numba_available
     from fuel.runtime.model import load_model, run_generation, set_threads
 
@@ -100,7 +106,8 @@ def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, spe
     texts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     jit = numba_available() if jit is None else jit
     loaded = load_model(model, dtype=dtype, max_context=max_context,
-                        max_sequences=max(len(texts), 1), jit=jit)
+                        max_sequences=max(len(texts), 1), jit=jit, program_cache=program_cache,
+                        on_build=BuildProgress())
     console = Console(highlight=False)
     stream = None
     if not as_json and len(texts) == 1:
@@ -150,7 +157,12 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
     builds = result["program_builds"]
     if builds:
         console.print("program builds (lower + optimize + JIT adoption + Judge measurement): " + ", ".join(
-            f"{mode} {row['count']} in {row['seconds']:.2f} s" for mode, row in builds.items()))
+            f"{mode} {row['count']} in {row['seconds']:.2f} s"
+            + (f" ({row['restored_from_disk']} restored from disk)" if row.get("restored_from_disk") else "")
+            for mode, row in builds.items()))
+    cache = result.get("program_cache")
+    for note in (cache or {}).get("notes", []):
+        console.print(f"program cache: {note}")
     if "speculation" in result:
         spec = result["speculation"]
         rate_text = f"{spec['acceptance_rate']:.1%}" if spec["acceptance_rate"] is not None else "-"
@@ -238,7 +250,7 @@ def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens
                 speculate: SpeculateOpt = 0, drafter: DrafterOpt = None, batch: BatchOpt = 1,
                 dtype: DtypeOpt = "stored", threads: ThreadsOpt = None, max_context: ContextOpt = 2048,
                 chat: ChatOpt = True, as_json: JsonOpt = False, jit: JitOpt = None,
-                tp: TpOpt = 1) -> None:
+                tp: TpOpt = 1, program_cache: ProgramCacheOpt = True) -> None:
     """Generate text with a real model on the CPU and report what ran."""
     if tp > 1:
         from fuel.cli.run_parallel import run_parallel
@@ -249,13 +261,13 @@ def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens
         return
     run_model(model, prompt or [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=speculate,
               drafter=drafter, batch=batch, dtype=dtype, threads=threads, max_context=max_context,
-              chat=chat, as_json=as_json, jit=jit)
+              chat=chat, as_json=as_json, jit=jit, program_cache=program_cache)
 
 
 @app.command("demo")
 def demo_command(max_new_tokens: MaxNewOpt = 64, dtype: DtypeOpt = "stored", as_json: JsonOpt = False,
-                 jit: JitOpt = None) -> None:
+                 jit: JitOpt = None, program_cache: ProgramCacheOpt = True) -> None:
     """fuel's main job: run the built-in default model (SmolLM2-135M-Instruct) on a built-in prompt."""
     run_model(None, [DEMO_PROMPT], max_new_tokens=max_new_tokens, speculate=0, drafter=None,
               batch=1, dtype=dtype, threads=None, max_context=2048, chat=True, as_json=as_json,
-              jit=jit)
+              jit=jit, program_cache=program_cache)

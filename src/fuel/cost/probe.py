@@ -219,7 +219,9 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
     import torch
 
     if threads is not None:
-        torch.set_num_threads(threads)
+        from fuel.kernels.threads import set_threads
+
+        set_threads(threads)
 
     numbers: dict[str, float | int | str] = {}
     m, k, n = _GEMM_SHAPE

@@ -200,6 +200,18 @@ class Graph:
             raise GraphError(f"node {node_id} is not a branch")
         self._nodes[node_id] = Node(node.op, tuple(arms), node.shape, node.dtype)
 
+    def relabel_fused(self, ids: Mapping[int, int]) -> int:
+        """Give every fused node whose id is a key of ``ids`` the mapped id (params, inputs,
+        shape kept): runtime fused ids are handed out per process, so a graph restored in
+        another process names its adopted regions by that process's ids. Returns the count."""
+        count = 0
+        for node_id, node in enumerate(self._nodes):
+            if isinstance(node.op, Fused) and node.op.id in ids and ids[node.op.id] != node.op.id:
+                self._nodes[node_id] = Node(Fused(ids[node.op.id], node.op.params), node.inputs,
+                                            node.shape, node.dtype)
+                count += 1
+        return count
+
     # Builders that type their node with the op's rule.
     def input(self, name: str, dims: Iterable[Any], dtype: DType) -> NodeId:
         return self.push(Node(Input(name), (), Shape.from_dims(dims), dtype))

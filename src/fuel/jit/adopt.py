@@ -166,17 +166,8 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
     if bound:
         return record(Outcome.ALREADY_ADOPTED, f"{fused_name(runtime_id)} already has a "
                       f"{kernel.kernel_source} kernel bound", runtime_id=runtime_id, **known)
-    shapes = tuple(tuple(t.shape) for t in bench.inputs)
-    run = kernel.run
-
-    def cost(node: Node, inputs) -> float | None:
-        # The measurement is for the verified shapes only; elsewhere the cost is unknown.
-        same = tuple(tuple(n.shape.dims) for n in inputs) == shapes
-        return float(kernel_ns) if same else None
-
-    table.bind(runtime_id, dtypes, backend, KernelEntry(
-        lambda node: run, frozenset({"gqa", "softcap"}) if match_paged(request.region) else
-        frozenset(), Precision.RECIPE_TOLERANCE, cost, kernel.kernel_source))
+    _bind(table, runtime_id, request, backend, kernel, kernel_ns,
+          tuple(tuple(t.shape) for t in bench.inputs))
     if store is not None:
         _record_latency(store, bench, runtime_id, registry, backend, kernel.kernel_source,
                         measured)
@@ -184,6 +175,45 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
     return record(Outcome.ADOPTED, f"verified (max error {check.max_abs_error:.2e}) and "
                   f"{speedup:.2f}x faster than the decomposed region",
                   runtime_id=runtime_id, **known)
+
+
+def _bind(table: KernelBindingTable, runtime_id: int, request: JitRequest, backend: BackendId,
+          kernel: Any, kernel_ns: int | None, shapes: tuple[tuple[int, ...], ...]) -> None:
+    dtypes = tuple(o.dtype.dtype for o in request.operands)
+    run = kernel.run
+
+    def cost(node: Node, inputs) -> float | None:
+        # The measurement is for the verified shapes only; elsewhere the cost is unknown.
+        same = tuple(tuple(n.shape.dims) for n in inputs) == shapes
+        return float(kernel_ns) if same and kernel_ns is not None else None
+
+    table.bind(runtime_id, dtypes, backend, KernelEntry(
+        lambda node: run, frozenset({"gqa", "softcap"}) if match_paged(request.region) else
+        frozenset(), Precision.RECIPE_TOLERANCE, cost, kernel.kernel_source))
+
+
+def rebind(synth: Synthesizer, request: JitRequest, name: str, backend: BackendId, *,
+           table: KernelBindingTable, registry: RuntimeFusedRegistry) -> int | str:
+    """Bind, without verifying or gating again, a kernel an earlier process adopted for
+    ``request`` under the stable ``name`` (the program cache restores a program built with
+    it): the synthesizer builds it again (its disk cache loads the compiled kernel), the region
+    is registered and the kernel bound as :func:`adopt` binds it. Returns the runtime id here,
+    or why the kernel could not be restored (then the caller builds the program afresh)."""
+    answer = synth.synthesize(request)
+    if isinstance(answer, Declined):
+        return f"the synthesizer declined on restore: {answer.reason}"
+    kernel = synth.take_kernel(answer.entry_point)
+    if kernel is None or kernel.backend is not backend:
+        return f"`{answer.entry_point}` was not handed over for {backend.value}"
+    try:
+        runtime_id = registry.register_runtime_fused(name, request.region)
+    except RegionRefused as refused:
+        return refused.reason
+    dtypes = tuple(o.dtype.dtype for o in request.operands)
+    if not any(e.kernel_source == kernel.kernel_source
+               for e in table.lookup_alternatives(runtime_id, dtypes, backend)):
+        _bind(table, runtime_id, request, backend, kernel, None, ())
+    return runtime_id
 
 
 def verify(got: Any, reference: Any, tolerance: tuple[float, float]) -> Verification:

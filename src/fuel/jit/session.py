@@ -138,6 +138,9 @@ class JitSession:
     events: list[AdoptionEvent] = field(default_factory=list)
     measured: list[Any] = field(default_factory=list)
     """The Judge rows this session measured and stored."""
+    adopted: dict[int, JitRequest] = field(default_factory=dict)
+    """The request each adopted runtime fused id was synthesized for (the program cache stores
+    it with a program, to bind the same kernel in a later process)."""
     _tried: dict[tuple[str, str], AdoptionEvent] = field(default_factory=dict)
     _verdicts: dict[tuple[str, tuple], str | None] = field(default_factory=dict)
     _judge: Any = None
@@ -166,6 +169,8 @@ class JitSession:
             self._verdicts[_gate_key(request)] = (
                 None if record.adopted else f"{record.outcome.value}: {record.reason}")
             self.events.append(event)
+            if record.adopted and record.runtime_id is not None:
+                self.adopted.setdefault(record.runtime_id, request)
             new.append(event)
         return new
 

@@ -7,8 +7,8 @@ table — is lowered and compiled once per (plan digest, step geometry) and then
 
 Modes and their rows:
 
-- ``prefill``: one sequence, a prompt chunk (rows = chunk length; chunks are powers of two so a
-  handful of programs serve every prompt);
+- ``prefill``: one sequence, a prompt chunk (rows = chunk length; ``fuel.runtime.generate``
+  chunks a prompt so it runs at most two programs);
 - ``decode``: one sequence, one row;
 - ``multi_seq``: several sequences, one row each;
 - ``verify``: one sequence, k rows (the pending token and k-1 drafted ones);
@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +129,8 @@ class EngineStats:
             self.expert_layer_steps[mode.value] += 1
             self.experts_uniform[mode.value] += expected_distinct_experts(probe.experts, top_k, rows)
             self.expert_shape[mode.value] = (probe.experts, top_k)
+    restored: Counter = field(default_factory=Counter)
+    """Of ``builds``, the programs restored from the on-disk program cache."""
 
     def record(self, mode: Mode, program: StepProgram) -> None:
         self.steps[mode.value] += 1
@@ -144,7 +146,7 @@ class EngineStats:
     def reset(self) -> None:
         for counter in (self.steps, self.rows, self.launches, self.dispatched, self.builds,
                         self.build_s, self.routes, self.experts, self.expert_bytes,
-                        self.expert_layer_steps, self.experts_uniform):
+                        self.expert_layer_steps, self.experts_uniform, self.restored):
             counter.clear()
         self.digests.clear()
         self.expert_shape.clear()
@@ -168,7 +170,8 @@ class Engine:
                  rules: RuleSet | None = None, policy: Policy | None = None,
                  max_context: int = 2048, max_sequences: int = 4,
                  block_size: int = DEFAULT_BLOCK_SIZE, table: Any = None,
-                 optimize_options: Any = None):
+                 optimize_options: Any = None, program_cache: Any = None,
+                 on_build: Callable[[str, str], Any] | None = None):
         import torch
 
         from fuel.circuit import zoo
@@ -194,6 +197,12 @@ class Engine:
             table = cpu_table()
         self.table = table
         self.optimize_options = optimize_options
+        self.program_cache = program_cache
+        """A :class:`~fuel.runtime.program_cache.ProgramCache`: programs built in an earlier
+        process are restored from it, new ones stored in it (None: every program is built)."""
+        self.on_build = on_build
+        """Called ``(what, "start" | "built" | "restored")`` around each program build (the
+        CLI's progress bar)."""
         self.dtype = weights.dtype.torch
         self.store = WeightStore(weights, self.dtype)
         self.block_size = block_size
@@ -224,12 +233,31 @@ class Engine:
         """The compiled program of ``plan`` at ``shape``, built once (keyed by the digest)."""
         key = (plan.digest, shape)
         if key not in self._programs:
-            step = lower(plan, self.circuit, self.store, shape, dtype=_graph_dtype(self.dtype))
-            program = build_program(step, self.store, self.table, self.optimize_options)
+            what = f"{plan.mode.value} rows={plan.rows} blocks={shape.max_blocks}"
+            if self.on_build is not None:
+                self.on_build(what, "start")
+            program, disk_key = None, None
+            if self.program_cache is not None:
+                from fuel.runtime.program_cache import program_key
+
+                disk_key = program_key(plan.digest, shape, self.dtype, self.optimize_options)
+                program = self.program_cache.load(disk_key, self.store, self.table,
+                                                  self.optimize_options)
+            outcome = "restored"
+            if program is None:
+                outcome = "built"
+                step = lower(plan, self.circuit, self.store, shape, dtype=_graph_dtype(self.dtype))
+                program = build_program(step, self.store, self.table, self.optimize_options)
+                if disk_key is not None:
+                    self.program_cache.save(disk_key, program, self.optimize_options)
+            step = program.step
             for cache in step.caches:
                 for name in (cache.k_input, cache.v_input):
                     self._cache(name, step.graph.node(_input_node(step, name)).shape.dims)
             self._programs[key] = program
+            self.stats.restored[plan.mode.value] += outcome == "restored"
+            if self.on_build is not None:
+                self.on_build(what, outcome)
         return self._programs[key]
 
     def programs(self) -> tuple[StepProgram, ...]:

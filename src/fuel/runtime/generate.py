@@ -6,9 +6,11 @@ state after a call: the cache holds every committed token but the last generated
 *pending* token, which the next step feeds).
 
 Invariants:
-- A prompt is prefilled in power-of-two chunks, largest first and at most ``chunk`` rows, so
-  every prompt length is served by a few programs; the last chunk's last row picks the first
-  new token.
+- A prompt is prefilled in chunks of ``chunk`` rows and one last chunk of the rest, so a prompt
+  runs at most two prefill programs (one for a prompt up to ``chunk`` tokens), each a whole
+  chunk of causal attention in one kernel; programs persist across processes
+  (:mod:`fuel.runtime.program_cache`), so a prompt length seen before builds nothing. The last
+  chunk's last row picks the first new token.
 - Generation stops after ``max_new_tokens`` tokens or right after a token in ``stop`` (the stop
   token is returned); the output is exactly the greedy continuation, one argmax per step.
 - ``generate_batch`` steps all unfinished sequences together in one ``multi_seq`` step; a
@@ -24,20 +26,18 @@ from dataclasses import dataclass, field
 from fuel.circuit.rules import Mode
 from fuel.runtime.engine import ContextTooLong, Engine, StepResult
 
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 256
+"""Rows of a full prefill chunk: a 512-token prompt is two steps of one program; a chat prompt
+(tens of tokens) one step."""
 
 
 def chunks(length: int, largest: int = DEFAULT_CHUNK) -> list[int]:
-    """Split ``length`` rows into power-of-two chunks, largest first, none above ``largest``."""
+    """Split ``length`` rows into chunks of ``largest`` rows and one last chunk of the rest
+    (at most two distinct sizes, so at most two programs per prompt)."""
     if length < 1 or largest < 1:
         raise ValueError(f"cannot chunk {length} rows at most {largest} each")
-    top = 1 << (largest.bit_length() - 1)
-    out: list[int] = []
-    while length:
-        size = min(top, 1 << (length.bit_length() - 1))
-        out.append(size)
-        length -= size
-    return out
+    full, rest = divmod(length, largest)
+    return [largest] * full + ([rest] if rest else [])
 
 
 def prefill(engine: Engine, sequence: Hashable, ids: Sequence[int], *, chunk: int = DEFAULT_CHUNK,

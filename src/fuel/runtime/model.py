@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fuel.kernels.threads import set_threads
 from fuel.runtime.engine import Engine
 from fuel.runtime.generate import Generation, generate, generate_batch
 from fuel.runtime.speculative import (
@@ -63,24 +64,16 @@ def jit_options(table: Any, *, store_path: Path | None = None, synthesizer: Any 
                           session)
 
 
-def set_threads(threads: int | None) -> int:
-    """Use ``threads`` torch threads (default: every core); returns the count in effect. The
-    benchmark sets the same count for both sides."""
-    import os
-
-    import torch
-
-    count = threads or os.cpu_count() or 1
-    torch.set_num_threads(count)
-    return count
-
-
 def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_context: int = 2048,
                max_sequences: int = 4, progress: bool = True, jit: bool = False,
-               jit_store: Path | None = None, jit_profile: Any = None) -> Model:
+               jit_store: Path | None = None, jit_profile: Any = None,
+               program_cache: Any = None, on_build: Callable[[str, str], Any] | None = None
+               ) -> Model:
     """Weights, tokenizer and engine; with ``jit`` the engine builds its programs through a JIT
     session (``jit_store``: the Judge store, default the user cache; ``jit_profile``: the timing
-    function, for tests that force a measurement)."""
+    function, for tests that force a measurement). ``program_cache``: a
+    :class:`~fuel.runtime.program_cache.ProgramCache` (``True``: the user cache's) programs are
+    restored from and stored in; ``on_build``: the engine's build listener."""
     from fuel.kernels import cpu_table
     from fuel.runtime.tokenizer import load_tokenizer
     from fuel.runtime.weights import load_weights
@@ -100,8 +93,13 @@ def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_cont
             session = options.jit
         else:
             note = "declined: numba is not installed (pip install 'fuel[jit]'); running decomposed"
+    if program_cache is True:
+        from fuel.runtime.program_cache import ProgramCache
+
+        program_cache = ProgramCache()
     engine = Engine(weights, max_context=max_context, max_sequences=max_sequences, table=table,
-                    optimize_options=options)
+                    optimize_options=options, program_cache=program_cache or None,
+                    on_build=on_build)
     name = DEFAULT_MODEL_NAME if source is None else str(source)
     return Model(weights, tokenizer, engine, name, session, note)
 
@@ -196,8 +194,12 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
         # compilation: the steady rate leaves their seconds out.
         "decode_tokens_per_s_steady": (round(decode_tokens / steady_s, 3)
                                        if (steady_s := decode_s - decode_build_s) > 0 else None),
-        "program_builds": {mode: {"count": count, "seconds": round(stats.build_s[mode], 3)}
+        "program_builds": {mode: {"count": count, "seconds": round(stats.build_s[mode], 3),
+                                  "restored_from_disk": stats.restored[mode]}
                            for mode, count in sorted(stats.builds.items())},
+        "program_cache": (model.engine.program_cache.report()
+                          if model.engine.program_cache is not None else None),
+        "time_to_first_token_s": round(min((o.timing.prefill_s for o in outs), default=0.0), 4),
         "steps": per_step,
         "plan_digests": dict(sorted(stats.digests.items(), key=lambda item: item[1])),
         "bake_decisions": bakes,

@@ -289,7 +289,6 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
                   options: OptimizeOptions | ProgramOptions | None = None) -> StepProgram:
     """Optimize ``step``'s graph in place, then compile it against ``table`` and ``store``."""
     from fuel.optimize.optimize import OptimizeOptions, optimize_graph
-    from fuel.runtime.executor import compile_program
 
     for spec in step.derived:
         store.derive(spec)
@@ -302,17 +301,33 @@ def build_program(step: StepGraph, store: WeightStore, table: KernelBindingTable
         optimized = _optimize_with_jit(step, store, table, options, session)
     else:
         optimized = optimize_graph(step.graph, step.roots, options)
-    logits_root, tokens_root, *routing_roots = optimized.roots
     backend = options.device.backend if options.device else BackendId.CPU
+    return compile_step(step, optimized, store, table, backend, options=options, routed=routed)
+
+
+def compile_step(step: StepGraph, optimized: OptimizedGraph, store: WeightStore,
+                 table: KernelBindingTable, backend: BackendId, *,
+                 options: OptimizeOptions | None = None,
+                 routed: ProgramOptions | None = None) -> StepProgram:
+    """Compile an optimized step against ``table`` and ``store`` (its derived weights built
+    first): the last stage of :func:`build_program`, and all a restored program needs
+    (:mod:`fuel.runtime.program_cache`). ``options``/``routed`` give a graph that keeps live
+    (placement) branches its route picker; without them no branch is resolved live."""
+    from fuel.runtime.executor import compile_program
+
+    for spec in step.derived:
+        store.derive(spec)
+    logits_root, tokens_root, *routing_roots = optimized.roots
 
     def compile_route(route: Mapping[int, int]):
         lowered = lower_order(step.graph, optimized.roots, route)
         return compile_program(step.graph, lowered, table, backend, store, Device(backend))
 
     program = compile_route(optimized.route)
+    routing = (_routing(step, optimized, options, routed, compile_route)
+               if options is not None else None)
     return StepProgram(step, optimized, program, logits_root, tokens_root,
-                       routing_roots=tuple(routing_roots),
-                       routing=_routing(step, optimized, options, routed, compile_route))
+                       routing_roots=tuple(routing_roots), routing=routing)
 
 
 def _routing(step: StepGraph, optimized: OptimizedGraph, options: OptimizeOptions,
@@ -339,4 +354,4 @@ def _routing(step: StepGraph, optimized: OptimizedGraph, options: OptimizeOption
 
 
 __all__ = ["BakeSummary", "ProgramOptions", "StepProgram", "WeightStore", "build_program",
-           "probe_feeds"]
+           "compile_step", "probe_feeds"]

@@ -1,0 +1,123 @@
+"""The on-disk program cache: an engine in a later process restores every program an earlier
+one built (no lowering, no adoption, no measurement) and generates the same tokens; a corrupt
+or foreign entry is never used; the key changes with everything a build depends on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fuel.circuit import Mode
+from fuel.kernels import cpu_table
+from fuel.runtime.engine import Engine
+from fuel.runtime.generate import generate
+from fuel.runtime.model import jit_options
+from fuel.runtime.program_cache import ProgramCache, program_key
+from fuel.runtime.weights import load_weights
+
+from tests.runtime.conftest import write_tiny_gguf
+
+FAST = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
+PROMPT = [3, 4, 5, 7, 8, 9, 10, 11, 3, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    model = write_tiny_gguf(folder / "tiny.gguf")
+    return load_weights(model.path, cache=folder / "cache", progress=False)
+
+
+def engine_for(weights, folder: Path, cache: ProgramCache, numba_cache: Path) -> Engine:
+    """A fresh engine as a new process has it: new table, JIT session and registry."""
+    from fuel.jit.numba_synth import NumbaSynthesizer
+
+    table = cpu_table()
+    options = jit_options(table, store_path=folder / "judge.sqlite",
+                          synthesizer=NumbaSynthesizer(cache_dir=numba_cache))
+    options.jit.profile_options = dict(FAST)
+    return Engine(weights, max_context=64, max_sequences=1, table=table,
+                  optimize_options=options, program_cache=cache)
+
+
+@pytest.fixture(scope="module")
+def numba_cache(fuel_cache) -> Path:
+    return fuel_cache / "jit" / "numba"  # shared with the other JIT tests: compiled once
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_weights, tmp_path_factory, numba_cache):
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("program-cache")
+    cache = ProgramCache(folder / "programs")
+    engine = engine_for(tiny_weights, folder, cache, numba_cache)
+    tokens = generate(engine, PROMPT, 6, stop=()).tokens
+    return folder, engine, cache, tokens, numba_cache
+
+
+def test_a_later_engine_restores_every_program_and_builds_none(first_run, tiny_weights):
+    folder, engine, cache, tokens, numba_cache = first_run
+    assert cache.stored == len(engine.programs()) >= 2  # a prefill and a decode program
+    later_cache = ProgramCache(folder / "programs")
+    later = engine_for(tiny_weights, folder, later_cache, numba_cache)
+    assert generate(later, PROMPT, 6, stop=()).tokens == tokens
+    assert later_cache.restored == len(later.programs()) == len(engine.programs())
+    assert sum(later.stats.restored.values()) == sum(later.stats.builds.values())
+    assert later_cache.notes == [] and later_cache.stored == 0
+    assert later.optimize_options.jit.events == [], "a restored program adopts nothing anew"
+    assert later.optimize_options.jit.measured == [], "and measures nothing"
+    for before, after in zip(engine.programs(), later.programs()):
+        assert after.dispatched == before.dispatched
+        assert after.runtime_fused_executed() == before.runtime_fused_executed()
+
+
+def test_a_corrupt_entry_is_removed_noted_and_rebuilt(first_run, tiny_weights, tmp_path):
+    folder, engine, _, tokens, numba_cache = first_run
+    programs = tmp_path / "programs"
+    programs.mkdir()
+    files = sorted((folder / "programs").glob("*.program"))
+    for path in files:
+        (programs / path.name).write_bytes(path.read_bytes())
+    damaged = programs / files[0].name
+    blob = bytearray(damaged.read_bytes())
+    blob[-10] ^= 0xFF
+    damaged.write_bytes(bytes(blob))
+    truncated = programs / files[1].name
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    cache = ProgramCache(programs)
+    later = engine_for(tiny_weights, folder, cache, numba_cache)
+    assert generate(later, PROMPT, 6, stop=()).tokens == tokens
+    assert len(cache.notes) == 2
+    assert all("checksum mismatch" in note and "building afresh" in note for note in cache.notes)
+    assert cache.stored == 2 and cache.restored == len(files) - 2
+    restored = ProgramCache(programs)
+    assert restored._decode(damaged, damaged.read_bytes(), "x") is None  # another key: refused
+    assert "holds another program" in restored.notes[0] and not damaged.exists()
+
+
+def test_the_key_names_everything_a_build_depends_on(tiny_weights, tmp_path):
+    engine = Engine(tiny_weights, max_context=64, max_sequences=1)
+    plan = engine.plan(Mode.DECODE, 1)
+    from fuel.runtime.lower import StepShape
+
+    shape = StepShape(((1, 1),), 16, 4, 1, 64)
+    wider = StepShape(((1, 1),), 16, 4, 2, 64)
+    base = program_key(plan.digest, shape, torch.float32, None)
+    assert base == program_key(plan.digest, shape, torch.float32, None)
+    table = cpu_table()
+    variants = {
+        "shape": program_key(plan.digest, wider, torch.float32, None),
+        "dtype": program_key(plan.digest, shape, torch.bfloat16, None),
+        "plan": program_key(engine.plan(Mode.PREFILL, 4).digest, shape, torch.float32, None),
+        "jit": program_key(plan.digest, shape, torch.float32,
+                           jit_options(table, store_path=tmp_path / "judge.sqlite")),
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        variants["threads"] = program_key(plan.digest, shape, torch.float32, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert base not in variants.values() and len(set(variants.values())) == len(variants)
