@@ -85,6 +85,8 @@ def _parse(loads: Callable[[str], Any], syntax_error: type[Exception], kind: str
         return loads(text)
     except syntax_error as error:
         return _raise(fail(f"not valid {kind}: {error}"))
+    except ValueError as error:  # an integer of 4,300+ digits (int-from-string limit)
+        return _raise(fail(f"not valid {kind}: {error}"))
     except RecursionError:
         return _raise(fail(f"not valid {kind}: nested too deeply"))
     except MemoryError:

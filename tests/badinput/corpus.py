@@ -157,7 +157,7 @@ STRING_CHOICES = [  # (case id, argv, pattern)
     ("show-mode-case", ["circuit", "show", "smollm2-135m", "--mode", "DECODE"], r"`--mode`: unknown mode `DECODE`"),
     ("show-rules-unknown", ["circuit", "show", "smollm2-135m", "--rules", "tpu"], r"tpu.*(cannot read|no built-in|not found|does not exist)"),
     ("explain-mode", ["explain", "smollm2-135m", "--mode", "fast"], r"`--mode`: unknown mode `fast`"),
-    ("explain-mode-prefill", ["explain", "smollm2-135m", "--mode", "prefill", "--rows", "4"], r"`--mode`: .*not prefill"),
+    ("explain-verify-batch-no-table", ["explain", "smollm2-135m", "--mode", "verify_batch"], r"`--table`: .*row table"),
     ("explain-device", ["explain", "smollm2-135m", "--device", "tpu"], r"`--device`: `tpu`"),
     ("explain-device-index", ["explain", "smollm2-135m", "--device", "cuda:x"], r"`--device`: `cuda:x`"),
     ("explain-cuda-no-spec", ["explain", "smollm2-135m", "--device", "cuda"], r"`--spec`"),

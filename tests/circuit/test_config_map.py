@@ -192,6 +192,8 @@ def test_every_corpus_config_gets_its_recorded_outcome(name):
     shape = shape_from_file(path)
     circuit = zoo.circuit_for(shape, draft=False)
     assert {b.layer for b in circuit.blocks if b.layer is not None} == set(range(shape.layers))
+    if "weight_format" in entry:
+        assert shape.weight_format.name() == entry["weight_format"]
     count = zoo.parameter_count(shape)
     if "parameters" in entry:
         assert count == entry["parameters"]

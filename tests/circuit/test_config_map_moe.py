@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fuel.circuit.config_map import RequirementViolated, UnclassifiedKey, shape_from_config
+from fuel.circuit.config_map import ConflictingSpellings, RequirementViolated, UnclassifiedKey, shape_from_config
 
 QWEN3_MOE_V5 = {
     "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -38,7 +38,7 @@ def test_the_transformers_4_spelling_is_still_read():
 
 
 def test_two_spellings_that_disagree_are_refused_naming_both():
-    with pytest.raises(RequirementViolated, match="num_local_experts.*num_experts"):
+    with pytest.raises(ConflictingSpellings, match="num_local_experts.*num_experts"):
         shape_from_config({**QWEN3_MOE_V5, "num_experts": 8})
 
 

@@ -135,7 +135,7 @@ def test_a_damaged_read_only_cache_is_refused_in_one_line_never_used(tmp_path, s
     small_fs.make_read_only()
     os.environ["FUEL_CACHE_DIR"] = str(small_fs.path)
     try:
-        status = main(["run", str(model.path), "--no-jit", "-n", "2", "-p", "ab"])
+        status = main(["run", str(model.path), "--dtype", "f32", "--no-jit", "-n", "2", "-p", "ab"])
     finally:
         del os.environ["FUEL_CACHE_DIR"]
     captured = capsys.readouterr()
@@ -181,3 +181,20 @@ def test_concurrent_conversions_end_with_one_complete_cache(tmp_path):
     folder = Path(outs[0])
     assert _leftovers(cache) == [folder.name]
     verify(folder)
+
+
+def test_flipped_bytes_in_a_stored_format_cache_are_caught_and_rebuilt(tmp_path, capsys):
+    # Why: the stored-format (packed) cache is a second cache writer; it must record and verify
+    # checksums like the f32 one, never load damaged packed blocks.
+    from fuel.runtime.quant_cache import convert_gguf_stored, load_stored
+
+    model = write_tiny_gguf(tmp_path / "tiny.gguf")
+    folder = convert_gguf_stored(model.path, cache=tmp_path / "cache")
+    assert (folder / "INTEGRITY.json").is_file()
+    _flip(folder / "model.safetensors")
+    with pytest.raises(CacheCorrupt):
+        verify(folder)
+    weights = load_stored(model.path, cache=tmp_path / "cache", progress=False)
+    assert "cache is damaged" in capsys.readouterr().err
+    verify(folder)  # the rebuilt folder matches its fresh checksums
+    assert weights.dtype.value == "stored"

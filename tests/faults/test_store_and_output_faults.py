@@ -125,6 +125,7 @@ def test_concurrent_judge_writers_lose_nothing_through_the_cli(tmp_path):
 
 _FAKE_PROBE = {
     "fp32_flops": 1e9, "bf16_flops": 2e9, "fp16_flops": 3e9, "vector_flops": 4e9,
+    "fp32_gemv_flops": 1e8, "bf16_gemv_flops": 2e8, "fp16_gemv_flops": 3e8, "copy_bytes_per_s": 4e9,
     "bandwidth_bytes_per_s": 5e9, "launch_overhead_ns": 6, "memory_bytes": 7, "torch_threads": 1,
     "cache_bytes": 8, "cache_bandwidth_bytes_per_s": 9e9, "cache_note": "fake",
 }

@@ -353,5 +353,19 @@ def _routing(step: StepGraph, optimized: OptimizedGraph, options: OptimizeOption
     return _Routing(picker, signals, compile_route)
 
 
+def dispatch_census(program: StepProgram) -> dict[str, int]:
+    """Kernel calls per op name in a program's dispatch order (the stored-format tests check no
+    arm-0 matmul stays live beside an adopted quantized kernel)."""
+    from fuel.graph.ir import Prim
+
+    graph = program.step.graph
+    counts: dict[str, int] = {}
+    for node_id in program.program.executed:
+        op = graph.node(node_id).op
+        name = op.kind.value if isinstance(op, Prim) else str(op) if isinstance(op, Fused) else "?"
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 __all__ = ["BakeSummary", "ProgramOptions", "StepProgram", "WeightStore", "build_program",
-           "compile_step", "probe_feeds"]
+           "compile_step", "dispatch_census", "probe_feeds"]

@@ -22,8 +22,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -94,38 +92,53 @@ def packed_tensors(model: Any) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def convert_gguf_stored(path: str | Path, *, cache: Path | None = None) -> Path:
-    """Write the stored-format folder of a GGUF into the cache, once; return the folder."""
+    """Write the stored-format folder of a GGUF into the cache, once; return the folder. Like
+    :func:`~fuel.runtime.weights.convert_gguf`: staged, checksummed at conversion
+    (:mod:`fuel.runtime.cache_integrity`), verified before use, rebuilt when damaged (refused in
+    one line where the cache is read-only), and a full or read-only cache is one error line."""
     from safetensors.torch import save_file
 
+    from fuel.runtime.cache_integrity import clean_stale_staging, record, staging
     from fuel.runtime.gguf_loader import hf_config, read_gguf
     from fuel.runtime.tokenizer import tokenizer_from_gguf_metadata
+    from fuel.runtime.weights import CacheWriteError, _usable_cache
 
     path = Path(path)
     if not path.is_file():
         raise WeightsFileMissing(str(path), "GGUF file")
     final = stored_folder(path, cache)
-    if (final / "model.safetensors").is_file():
+    clean_stale_staging(final.parent, final.name)
+    if _usable_cache(final):
         return final
     model = read_gguf(path)
     config = hf_config(model)
     tokenizer = tokenizer_from_gguf_metadata(model.metadata, source=str(path))
     tensors, formats = packed_tensors(model)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        save_file(tensors, str(staging / "model.safetensors"), metadata={
-            "format": "pt", "converted_from": path.name, _FORMATS_KEY: json.dumps(formats, sort_keys=True)})
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tokenizer.save(staging)
-        staging.chmod(0o755)
-        try:
-            staging.rename(final)
-        except OSError:
-            if not (final / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with staging(final.parent, final.name) as stage:
+            save_file(tensors, str(stage / "model.safetensors"), metadata={
+                "format": "pt", "converted_from": path.name,
+                _FORMATS_KEY: json.dumps(formats, sort_keys=True)})
+            (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            tokenizer.save(stage)
+            record(stage, _CACHED_FILES)
+            (stage / ".lock").unlink()
+            stage.chmod(0o755)
+            try:
+                stage.rename(final)
+            except OSError:
+                # Another process finished the same conversion first; its folder is identical.
+                if not (final / "model.safetensors").is_file():
+                    raise
+    except OSError as error:
+        from fuel.inputs import os_reason
+
+        raise CacheWriteError(final.parent, os_reason(error)) from None
     return final
+
+
+_CACHED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def load_stored(path: str | Path, *, cache: Path | None = None, progress: bool = True):
