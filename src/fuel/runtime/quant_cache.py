@@ -98,10 +98,10 @@ def convert_gguf_stored(path: str | Path, *, cache: Path | None = None) -> Path:
     one line where the cache is read-only), and a full or read-only cache is one error line."""
     from safetensors.torch import save_file
 
-    from fuel.runtime.cache_integrity import clean_stale_staging, record, staging
+    from fuel.runtime.cache_integrity import clean_stale_staging
     from fuel.runtime.gguf_loader import hf_config, read_gguf
     from fuel.runtime.tokenizer import tokenizer_from_gguf_metadata
-    from fuel.runtime.weights import CacheWriteError, _usable_cache
+    from fuel.runtime.weights import _usable_cache, write_cache_folder
 
     path = Path(path)
     if not path.is_file():
@@ -114,31 +114,15 @@ def convert_gguf_stored(path: str | Path, *, cache: Path | None = None) -> Path:
     config = hf_config(model)
     tokenizer = tokenizer_from_gguf_metadata(model.metadata, source=str(path))
     tensors, formats = packed_tensors(model)
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        with staging(final.parent, final.name) as stage:
-            save_file(tensors, str(stage / "model.safetensors"), metadata={
-                "format": "pt", "converted_from": path.name,
-                _FORMATS_KEY: json.dumps(formats, sort_keys=True)})
-            (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            tokenizer.save(stage)
-            record(stage, _CACHED_FILES)
-            (stage / ".lock").unlink()
-            stage.chmod(0o755)
-            try:
-                stage.rename(final)
-            except OSError:
-                # Another process finished the same conversion first; its folder is identical.
-                if not (final / "model.safetensors").is_file():
-                    raise
-    except OSError as error:
-        from fuel.inputs import os_reason
+    def fill(stage: Path) -> None:
+        save_file(tensors, str(stage / "model.safetensors"), metadata={
+            "format": "pt", "converted_from": path.name,
+            _FORMATS_KEY: json.dumps(formats, sort_keys=True)})
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save(stage)
 
-        raise CacheWriteError(final.parent, os_reason(error)) from None
+    write_cache_folder(final, fill)
     return final
-
-
-_CACHED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def load_stored(path: str | Path, *, cache: Path | None = None, progress: bool = True):

@@ -39,7 +39,7 @@ import importlib.util
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -275,7 +275,7 @@ def convert_gguf(path: str | Path, *, cache: Path | None = None, progress: bool 
     from fuel.runtime.gguf_loader import hf_config, read_gguf
     from fuel.runtime.tokenizer import tokenizer_from_gguf_metadata
 
-    from fuel.runtime.cache_integrity import clean_stale_staging, record, staging
+    from fuel.runtime.cache_integrity import clean_stale_staging
 
     path = Path(path)
     if not path.is_file():
@@ -288,13 +288,26 @@ def convert_gguf(path: str | Path, *, cache: Path | None = None, progress: bool 
     config = hf_config(model)
     tokenizer = tokenizer_from_gguf_metadata(model.metadata, source=str(path))
 
+    def fill(stage: Path) -> None:
+        tensors = _dequantized_tensors(model, progress)
+        _save_safetensors(tensors, stage / "model.safetensors", source=path)
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save(stage)
+
+    write_cache_folder(final, fill)
+    return final
+
+
+def write_cache_folder(final: Path, fill: Callable[[Path], None]) -> None:
+    """Build a cache folder: ``fill(stage)`` writes its files into a locked staging folder, whose
+    checksums are recorded (:mod:`fuel.runtime.cache_integrity`) before it is renamed to
+    ``final`` in one step. A full or read-only cache is a :class:`CacheWriteError`, nothing left."""
+    from fuel.runtime.cache_integrity import record, staging
+
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         with staging(final.parent, final.name) as stage:
-            tensors = _dequantized_tensors(model, progress)
-            _save_safetensors(tensors, stage / "model.safetensors", source=path)
-            (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            tokenizer.save(stage)
+            fill(stage)
             record(stage, _CACHED_FILES)
             (stage / ".lock").unlink()
             stage.chmod(0o755)  # mkdtemp makes it private; the cache is shareable like any other
@@ -308,7 +321,6 @@ def convert_gguf(path: str | Path, *, cache: Path | None = None, progress: bool 
         from fuel.inputs import os_reason
 
         raise CacheWriteError(final.parent, os_reason(error)) from None
-    return final
 
 
 class CacheWriteError(FuelError):
