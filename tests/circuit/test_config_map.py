@@ -177,7 +177,11 @@ def test_the_corpus_has_thirty_real_configs_each_with_a_source_and_an_outcome():
     for name, entry in EXPECTED.items():
         assert entry["found"] and entry["hf"] and entry["expect"] in ("accepted", "refused"), name
     outcomes = [entry["expect"] for entry in EXPECTED.values()]
-    assert outcomes.count("refused") >= 4 and outcomes.count("accepted") >= 20
+    # Refusals for each kind of unmodelled key: an unknown model_type, a sliding window, a rope
+    # type (the AWQ re-save is accepted since quantization_config is read as a weight format).
+    assert outcomes.count("refused") >= 3 and outcomes.count("accepted") >= 20
+    refused_keys = {entry["key"] for entry in EXPECTED.values() if entry["expect"] == "refused"}
+    assert {"model_type", "sliding_window"} <= refused_keys
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
