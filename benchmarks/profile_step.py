@@ -67,7 +67,6 @@ def main() -> None:
     parser.add_argument("--jit", action="store_true", help="adopt numba kernels first (stored formats need them)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--jit", action="store_true")
     args = parser.parse_args()
 
     from fuel.circuit.rules import Mode

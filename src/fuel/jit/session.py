@@ -147,9 +147,9 @@ class JitSession:
 
     def __post_init__(self) -> None:
         if self.synthesizer is None:
-            from fuel.jit.numba_synth import NumbaSynthesizer
+            from fuel.jit.native_synth import CpuSynthesizer
 
-            self.synthesizer = NumbaSynthesizer()
+            self.synthesizer = CpuSynthesizer()
 
     def adopt_for(self, graph: Graph, roots: Iterable[NodeId]) -> list[AdoptionEvent]:
         """Adopt a kernel for each new (region, shapes) request of the lowered graph."""

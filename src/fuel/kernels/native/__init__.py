@@ -1,0 +1,233 @@
+"""Native CPU matmul kernels: GGUF block formats and f32/f16/bf16 weights, built on this machine.
+
+Decides how fuel gets matrix-vector products that run at this CPU's memory bandwidth, which
+neither torch (its M=1 f32/bf16 paths read at a fraction of it here; its int4 kernel targets
+other CPUs) nor numba's vectorizer (nibble unpacking compiles to scalar code) reach: a small C
+file (``gemv.c`` beside this module: AVX2/FMA/F16C intrinsics with a portable fallback) is
+compiled once per machine by the system C compiler at ``-O3 -march=native`` and loaded with
+ctypes.
+
+**One thread pool.** The library is linked against the OpenMP runtime torch itself loaded
+(``torch/lib/libgomp``), so the dynamic loader hands it the very runtime torch's intra-op pool
+lives in: a parallel loop here is a parallel region of torch's pool, its threads already
+awake after the previous torch kernel, never a second pool fighting for the cores
+(:mod:`fuel.kernels.threads`). Where torch was built with another runtime, or no compiler is
+found, :func:`load` answers :class:`Unavailable` with the reason and fuel runs without these
+kernels (the numba and torch arms stand).
+
+Invariants:
+- Built at most once per (source, compiler, flags, OpenMP runtime, CPU): the shared object is
+  cached under ``$FUEL_CACHE_DIR/native/<key>/`` and written atomically (compiled to a temp
+  name, renamed), so a concurrent process never loads a half-written file; a file that fails to
+  load is removed and built again once.
+- A kernel returns the product of the *dequantized* weight with f32 activations (activations
+  are never rounded to 8 bits): equal to the dequantize-then-matmul recipe within f32
+  reassociation, which the JIT verifies at every shape it adopts.
+- Never raises for an ordinary "no": :func:`load` returns :class:`Unavailable`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SOURCE = Path(__file__).with_name("gemv.c")
+
+FORMAT_CODES: dict[str, int] = {
+    "f32": 0, "f16": 1, "bf16": 2,
+    "q4_0": 10, "q4_1": 11, "q5_0": 12, "q5_1": 13, "q8_0": 14,
+}
+"""The weight formats the library multiplies (GGUF block layouts by their llama.cpp names)."""
+
+QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"})
+
+STREAM_ROWS = 4
+"""Activation rows up to which one streaming pass beats dequantize-then-GEMM (decode shapes)."""
+
+TILE_ELEMENTS = 1 << 21
+"""Weights dequantized per GEMM tile above :data:`STREAM_ROWS` rows (8 MiB of f32)."""
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c11")
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """Why the native kernels cannot run here (no compiler, no torch OpenMP runtime, ...)."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class NativeKernels:
+    """The loaded library: :meth:`matmul` on torch tensors."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, compiler: str):
+        self._lib = lib
+        self.path = path
+        self.compiler = compiler
+        lib.fuel_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_int]
+        lib.fuel_matmul.restype = ctypes.c_int
+        lib.fuel_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        lib.fuel_dequantize.restype = ctypes.c_int
+        lib.fuel_pool_threads.argtypes = [ctypes.c_int]
+        lib.fuel_pool_threads.restype = ctypes.c_int
+        self._call = lib.fuel_matmul
+
+    def pool_threads(self, threads: int) -> int:
+        """How many threads a parallel region of the library gets when asked for ``threads``."""
+        return int(self._lib.fuel_pool_threads(threads))
+
+    def matmul(self, fmt: str, x: Any, w: Any, cols: int, threads: int | None = None) -> Any:
+        """``x [..., cols] f32 @ dequantize(w).T`` for ``w`` packed rows ``[N, row_bytes]`` (uint8,
+        block formats) or a ``[N, cols]`` f32/f16/bf16 matrix. Returns f32 ``[..., N]``.
+
+        Up to :data:`STREAM_ROWS` activation rows, one pass over the packed weight computes every
+        output (decode: the weight read is the cost). More rows (prefill) are a GEMM: the weight
+        is dequantized a tile of :data:`TILE_ELEMENTS` at a time and each tile multiplied by
+        torch's GEMM, so the packed weight is still read once and the f32 copy stays small."""
+        import torch
+
+        code = FORMAT_CODES[fmt]
+        threads = threads if threads is not None else torch.get_num_threads()
+        lead = tuple(x.shape[:-1])
+        rows = x.reshape(-1, cols)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        weight = w if w.is_contiguous() else w.contiguous()
+        n = weight.shape[0]
+        row_bytes = weight.stride(0) * weight.element_size()
+        out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+        if rows.shape[0] <= STREAM_ROWS:
+            status = self._call(code, rows.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                rows.shape[0], n, cols, row_bytes, threads)
+        else:
+            status, step = 0, max(1, TILE_ELEMENTS // cols)
+            tile = torch.empty((min(step, n), cols), dtype=torch.float32)
+            for start in range(0, n, step):
+                count = min(step, n - start)
+                status = self._lib.fuel_dequantize(code, weight.data_ptr() + start * row_bytes,
+                                                   tile.data_ptr(), count, cols, row_bytes, threads)
+                if status:
+                    break
+                if count == n:
+                    torch.mm(rows, tile.t(), out=out)
+                else:
+                    out[:, start:start + count] = rows @ tile[:count].t()
+        if status != 0:
+            raise ValueError(f"native matmul refused {fmt} with {cols} columns")
+        return out.reshape(*lead, n)
+
+
+_LOADED: NativeKernels | Unavailable | None = None
+
+
+def load() -> NativeKernels | Unavailable:
+    """The native kernels for this process (built on first use, then cached on disk)."""
+    global _LOADED
+    if _LOADED is None:
+        if os.environ.get("FUEL_NATIVE", "1") == "0":
+            _LOADED = Unavailable("disabled by FUEL_NATIVE=0")
+        else:
+            _LOADED = _build_and_load()
+    return _LOADED
+
+
+def _torch_openmp() -> Path | None:
+    """The OpenMP runtime torch loaded (its own ``libgomp``), or None."""
+    import torch
+
+    folder = Path(torch.__file__).parent / "lib"
+    for name in ("libgomp.so.1", "libgomp.so"):
+        if (folder / name).exists():
+            return folder / name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_and_load() -> NativeKernels | Unavailable:
+    from fuel.cost.paths import cache_dir
+
+    if platform.system() != "Linux":
+        return Unavailable(f"native kernels are built on Linux only (this is {platform.system()})")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return Unavailable("no C compiler found (set CC, or install gcc)")
+    openmp = _torch_openmp()
+    if openmp is None:
+        return Unavailable("torch ships no libgomp here, so a native parallel loop would start "
+                           "a second thread pool")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as error:
+        return Unavailable(f"the C compiler {compiler} does not run: {error}")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([
+        source, version.encode(), " ".join(FLAGS).encode(), str(openmp.resolve()).encode(),
+        _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:24]
+    folder = cache_dir() / "native" / key
+    target = folder / "libfuelgemv.so"
+    for attempt in range(2):
+        if not target.exists():
+            built = _compile(compiler, openmp, folder, target)
+            if isinstance(built, Unavailable):
+                return built
+        try:
+            import torch  # noqa: F401 — torch's libgomp must be loaded first (one runtime)
+
+            lib = ctypes.CDLL(str(target))
+            return NativeKernels(lib, target, version)
+        except OSError as error:
+            target.unlink(missing_ok=True)
+            if attempt:
+                return Unavailable(f"the native library built but does not load: {error}")
+    return Unavailable("unreachable")
+
+
+def _compile(compiler: str, openmp: Path, folder: Path, target: Path) -> None | Unavailable:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, temp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        os.close(handle)
+    except OSError as error:
+        return Unavailable(f"cannot write the native library under {folder}: {error}")
+    command = [compiler, *FLAGS, str(SOURCE), "-o", temp, f"-L{openmp.parent}",
+               f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as error:
+        Path(temp).unlink(missing_ok=True)
+        return Unavailable(f"the C compiler failed to run: {error}")
+    if done.returncode != 0:
+        Path(temp).unlink(missing_ok=True)
+        first = (done.stderr.strip().splitlines() or ["(no message)"])[0][:300]
+        return Unavailable(f"the C compiler refused gemv.c: {first}")
+    os.replace(temp, target)
+    return None
+
+
+__all__ = ["FORMAT_CODES", "NativeKernels", "QUANT_LAYOUTS", "Unavailable", "load"]

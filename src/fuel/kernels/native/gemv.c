@@ -1,0 +1,335 @@
+/* fuel's native CPU matmul kernels: out[m, n] = sum_k x[m, k] * W[n, k], W stored packed.
+
+   Built once per machine by fuel.kernels.native (the system C compiler, -O3 -march=native),
+   linked against the very OpenMP runtime torch loaded, so a parallel loop here runs on torch's
+   intra-op pool: one pool for the whole step (fuel.kernels.threads).
+
+   Weights (rows of N output features, K inputs each):
+   - dense: f32, f16 (IEEE half) or bf16, row-major [N, K] (torch's nn.Linear layout);
+   - GGUF blocks of 32 weights, each row a run of K/32 blocks (llama.cpp's layout, read as is):
+       q4_0: f16 d, 16 bytes of nibbles          w = d * (q - 8)
+       q4_1: f16 d, f16 m, 16 bytes of nibbles   w = d * q + m
+       q5_0: f16 d, u32 high bits, 16 nibbles    w = d * (q - 16)
+       q5_1: f16 d, f16 m, u32 high bits, nibbles w = d * q + m
+       q8_0: f16 d, 32 int8                      w = d * q
+     nibble j (0..15) of a block is its byte j's low half, element 16 + j the high half; the
+     fifth bit of element j is bit j of the u32.
+
+   Activations stay f32 (no 8-bit rounding of x): each block's dot product is computed in f32
+   from the dequantized-in-register weights, so a result equals the dequantize-then-matmul
+   recipe within the rounding of a reordered f32 sum. For formats with an offset (m, or the -8
+   and -16 of the symmetric ones) the offset times the block's activation sum is added once per
+   block, with the sums computed once per activation row.
+
+   fuel_matmul streams each weight row once for all M activation rows (decode: M is a few rows);
+   fuel_dequantize writes f32 rows for a GEMM library to multiply when M is large (prefill). */
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14 };
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static int block_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
+    case Q8_0: return 34; default: return 0;
+    }
+}
+
+/* The 32 quants of a block as small integers q (before scale/offset), and the block's scale d
+   and offset m such that w = d * q + m. */
+static inline void block_ints(int fmt, const uint8_t *b, int32_t q[32], float *d, float *m) {
+    *d = half_to_float(rd16(b));
+    switch (fmt) {
+    case Q4_0: { const uint8_t *qs = b + 2; *m = -8.0f * *d;
+        for (int j = 0; j < 16; j++) { q[j] = qs[j] & 15; q[16 + j] = qs[j] >> 4; } break; }
+    case Q4_1: { const uint8_t *qs = b + 4; *m = half_to_float(rd16(b + 2));
+        for (int j = 0; j < 16; j++) { q[j] = qs[j] & 15; q[16 + j] = qs[j] >> 4; } break; }
+    case Q5_0: { uint32_t qh = rd32(b + 2); const uint8_t *qs = b + 6; *m = -16.0f * *d;
+        for (int j = 0; j < 16; j++) {
+            q[j] = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+            q[16 + j] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        } break; }
+    case Q5_1: { uint32_t qh = rd32(b + 4); const uint8_t *qs = b + 8; *m = half_to_float(rd16(b + 2));
+        for (int j = 0; j < 16; j++) {
+            q[j] = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+            q[16 + j] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        } break; }
+    default: { const int8_t *qs = (const int8_t *)(b + 2); *m = 0.0f;
+        for (int j = 0; j < 32; j++) q[j] = qs[j];
+        break; }
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* sum_j q_j * x_j over one block (the integer part, before d), 8 lanes wide. */
+static inline __m256 block_dot(int fmt, const uint8_t *b, const float *x) {
+    __m128i lo, hi;
+    if (fmt == Q8_0) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(b + 2)), c = _mm_loadu_si128((const __m128i *)(b + 18));
+        __m256 s = _mm256_mul_ps(i8x8_to_ps(a), _mm256_loadu_ps(x));
+        s = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(a, 8)), _mm256_loadu_ps(x + 8), s);
+        s = _mm256_fmadd_ps(i8x8_to_ps(c), _mm256_loadu_ps(x + 16), s);
+        return _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(c, 8)), _mm256_loadu_ps(x + 24), s);
+    }
+    const int off = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
+    const __m128i nib = _mm_set1_epi8(15);
+    __m128i v = _mm_loadu_si128((const __m128i *)(b + off));
+    lo = _mm_and_si128(v, nib);
+    hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+    if (fmt == Q5_0 || fmt == Q5_1) {
+        uint32_t qh = rd32(b + (fmt == Q5_0 ? 2 : 4));
+        /* bit j of qh -> byte j: spread the 16 low bits (and the 16 high ones) over 16 bytes. */
+        const __m128i shuf = _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m128i bits = _mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1);
+        __m128i l = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh & 0xffff)), shuf);
+        __m128i h = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh >> 16)), shuf);
+        l = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(l, bits), bits), _mm_set1_epi8(16));
+        h = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bits), bits), _mm_set1_epi8(16));
+        lo = _mm_or_si128(lo, l);
+        hi = _mm_or_si128(hi, h);
+    }
+    __m256 s = _mm256_mul_ps(u8x8_to_ps(lo), _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(u8x8_to_ps(hi), _mm256_loadu_ps(x + 16), s);
+    return _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(x + 24), s);
+}
+#endif
+
+#ifdef __AVX2__
+/* The 32 quants of a block as four f32 vectors (before d and m). */
+static inline void block_unpack(int fmt, const uint8_t *b, __m256 q[4]) {
+    if (fmt == Q8_0) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(b + 2)), c = _mm_loadu_si128((const __m128i *)(b + 18));
+        q[0] = i8x8_to_ps(a); q[1] = i8x8_to_ps(_mm_srli_si128(a, 8));
+        q[2] = i8x8_to_ps(c); q[3] = i8x8_to_ps(_mm_srli_si128(c, 8));
+        return;
+    }
+    const int off = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
+    const __m128i nib = _mm_set1_epi8(15);
+    __m128i v = _mm_loadu_si128((const __m128i *)(b + off));
+    __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+    if (fmt == Q5_0 || fmt == Q5_1) {
+        uint32_t qh = rd32(b + (fmt == Q5_0 ? 2 : 4));
+        const __m128i shuf = _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m128i bits = _mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1);
+        __m128i l = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh & 0xffff)), shuf);
+        __m128i h = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh >> 16)), shuf);
+        lo = _mm_or_si128(lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(l, bits), bits), _mm_set1_epi8(16)));
+        hi = _mm_or_si128(hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bits), bits), _mm_set1_epi8(16)));
+    }
+    q[0] = u8x8_to_ps(lo); q[1] = u8x8_to_ps(_mm_srli_si128(lo, 8));
+    q[2] = u8x8_to_ps(hi); q[3] = u8x8_to_ps(_mm_srli_si128(hi, 8));
+}
+#endif
+
+/* Dequantize one packed row of K weights to f32. */
+static void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
+    if (fmt == F32) { memcpy(dst, row, (size_t)K * 4); return; }
+    if (fmt == F16) { const uint8_t *p = row; for (int64_t k = 0; k < K; k++) dst[k] = half_to_float(rd16(p + 2 * k)); return; }
+    if (fmt == BF16) { const uint8_t *p = row; for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_float(rd16(p + 2 * k)); return; }
+    int bb = block_bytes(fmt); int32_t q[32]; float d, m;
+    for (int64_t b = 0; b < K / 32; b++) {
+#ifdef __AVX2__
+        const uint8_t *p = row + b * bb;
+        __m256 v[4];
+        block_unpack(fmt, p, v);
+        d = half_to_float(rd16(p));
+        m = fmt == Q4_1 || fmt == Q5_1 ? half_to_float(rd16(p + 2)) : fmt == Q4_0 ? -8.0f * d : fmt == Q5_0 ? -16.0f * d : 0.0f;
+        __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + b * 32 + 8 * i, _mm256_fmadd_ps(v[i], dv, mv));
+        (void)q;
+#else
+        block_ints(fmt, row + b * bb, q, &d, &m);
+        for (int j = 0; j < 32; j++) dst[b * 32 + j] = d * (float)q[j] + m;
+#endif
+    }
+}
+
+/* One output: packed row `row` against activation row x (with its per-block sums xs). */
+static inline float dot_quant(int fmt, const uint8_t *row, const float *x, const float *xs, int64_t K) {
+    const int bb = block_bytes(fmt);
+    const int64_t blocks = K / 32;
+    float bias = 0.0f;
+#ifdef __AVX2__
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        const uint8_t *p0 = row + b * bb, *p1 = p0 + bb;
+        float d0 = half_to_float(rd16(p0)), d1 = half_to_float(rd16(p1));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), block_dot(fmt, p0, x + b * 32), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), block_dot(fmt, p1, x + b * 32 + 32), acc1);
+        if (fmt == Q4_1 || fmt == Q5_1)
+            bias += half_to_float(rd16(p0 + 2)) * xs[b] + half_to_float(rd16(p1 + 2)) * xs[b + 1];
+        else if (fmt == Q4_0) bias -= 8.0f * (d0 * xs[b] + d1 * xs[b + 1]);
+        else if (fmt == Q5_0) bias -= 16.0f * (d0 * xs[b] + d1 * xs[b + 1]);
+    }
+    for (; b < blocks; b++) {
+        const uint8_t *p0 = row + b * bb;
+        float d0 = half_to_float(rd16(p0));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), block_dot(fmt, p0, x + b * 32), acc0);
+        if (fmt == Q4_1 || fmt == Q5_1) bias += half_to_float(rd16(p0 + 2)) * xs[b];
+        else if (fmt == Q4_0) bias -= 8.0f * d0 * xs[b];
+        else if (fmt == Q5_0) bias -= 16.0f * d0 * xs[b];
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + bias;
+#else
+    int32_t q[32]; float d, m, total = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        block_ints(fmt, row + b * bb, q, &d, &m);
+        float s = 0.0f;
+        for (int j = 0; j < 32; j++) s += (float)q[j] * x[b * 32 + j];
+        total += d * s;
+        bias += m * xs[b];
+    }
+    return total + bias;
+#endif
+}
+
+/* Dense rows: f32 / f16 / bf16 weights, f32 accumulation. Four rows at once share x's loads. */
+static void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
+                       int64_t K, float *out) {
+#ifdef __AVX2__
+    __m256 a[4];
+    for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv = _mm256_loadu_ps(x + k);
+        for (int r = 0; r < 4 && r < rows; r++) {
+            const uint8_t *p = w + r * row_bytes;
+            __m256 wv;
+            if (fmt == F32) wv = _mm256_loadu_ps((const float *)p + k);
+#ifdef __F16C__
+            else if (fmt == F16) wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + k)));
+#endif
+            else if (fmt == BF16) wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k))), 16));
+            else { float t[8]; for (int j = 0; j < 8; j++) t[j] = half_to_float(rd16(p + 2 * (k + j))); wv = _mm256_loadu_ps(t); }
+            a[r] = _mm256_fmadd_ps(wv, xv, a[r]);
+        }
+    }
+    for (int r = 0; r < 4 && r < rows; r++) {
+        float s = hsum(a[r]);
+        const uint8_t *p = w + r * row_bytes;
+        for (int64_t j = k; j < K; j++) {
+            float wv = fmt == F32 ? ((const float *)p)[j] : fmt == F16 ? half_to_float(rd16(p + 2 * j)) : bf16_to_float(rd16(p + 2 * j));
+            s += wv * x[j];
+        }
+        out[r] = s;
+    }
+#else
+    for (int r = 0; r < rows && r < 4; r++) {
+        const uint8_t *p = w + r * row_bytes; float s = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            float wv = fmt == F32 ? ((const float *)p)[j] : fmt == F16 ? half_to_float(rd16(p + 2 * j)) : bf16_to_float(rd16(p + 2 * j));
+            s += wv * x[j];
+        }
+        out[r] = s;
+    }
+#endif
+}
+
+#define TILE 16
+
+/* out[M, N] = x[M, K] @ W[N, K]^T for weights in format `fmt`, on `threads` threads of the
+   OpenMP runtime torch uses. Returns 0, or -1 for a format or width it cannot run. */
+int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
+                int64_t K, int64_t row_bytes, int threads) {
+    const int quant = block_bytes(fmt) > 0;
+    if (quant && K % 32) return -1;
+    if (!quant && fmt != F32 && fmt != F16 && fmt != BF16) return -1;
+    float *xs = NULL;
+    if (quant) {  /* per-block activation sums, once per row */
+        xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32) + 1));
+        if (!xs) return -1;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < K / 32; b++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += x[m * K + b * 32 + j];
+                xs[m * (K / 32) + b] = s;
+            }
+    }
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    const int parallel = threads > 1 && N * K >= 65536;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = x + m * K;
+            if (quant) {
+                for (int64_t n = n0; n < n1; n++)
+                    out[m * N + n] = dot_quant(fmt, w + n * row_bytes, xr, xs + m * (K / 32), K);
+            } else {
+                for (int64_t n = n0; n < n1; n += 4)
+                    dot_dense4(fmt, w + n * row_bytes, row_bytes, n1 - n, xr, K, out + m * N + n);
+            }
+        }
+    }
+    free(xs);
+    return 0;
+}
+
+/* The runtime's own view of its pool, for tests: how many threads a parallel region gets. */
+int fuel_pool_threads(int threads) {
+    int got = 1;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp single
+        {
+#ifdef _OPENMP
+            extern int omp_get_num_threads(void);
+            got = omp_get_num_threads();
+#endif
+        }
+    }
+    return got;
+}
+
+/* dst[N, K] f32 = the dequantized rows of W (for large-M products handed to a GEMM library). */
+int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K, int64_t row_bytes,
+                    int threads) {
+    if (block_bytes(fmt) > 0 ? K % 32 != 0 : (fmt != F32 && fmt != F16 && fmt != BF16)) return -1;
+    const int parallel = threads > 1 && N * K >= 65536;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+    for (int64_t n = 0; n < N; n++) dequant_row(fmt, w + n * row_bytes, K, dst + n * K);
+    return 0;
+}
