@@ -197,6 +197,14 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
 ggml-common.h's ``block_q4_0`` ... ``block_q8_K`` and the ``GGML_QUANT_SIZES`` table of the
 ``gguf`` package (``gguf.constants``), which fuel's tests check this against."""
 
+HALF_ROWS: dict[str, tuple[int, int]] = {"f16": (1, 2), "bf16": (1, 2)}
+"""16-bit float matrices held as packed rows (a bf16/f16 run's matrices, a GGUF's F16/BF16
+ones in ``--dtype stored``): one element per 2-byte "block"."""
+
+ROW_LAYOUTS: dict[str, tuple[int, int]] = {**GGUF_BLOCKS, **HALF_ROWS}
+"""Every layout a packed ``[rows, row_bytes]`` weight may have: ``(elements, bytes)`` per block."""
+
+
 
 BF16 = Format(FormatKind.BF16)
 F16 = Format(FormatKind.F16)

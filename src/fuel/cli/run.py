@@ -49,7 +49,8 @@ DrafterOpt = Annotated[str | None, typer.Option("--drafter", help="early-exit (t
 BatchOpt = Annotated[int, typer.Option("--batch", "-b", min=1, max=MAX_BATCH, help="Sequences decoded together (prompts repeat to fill).")]
 DtypeOpt = Annotated[str, typer.Option(
     "--dtype", help="stored (a GGUF's tensors in their file formats: Q4_1, Q8_0 ... stay packed; a "
-                    "checkpoint folder as it is), or f32 / bf16 (dequantized).")]
+                    "checkpoint folder as it is), f32 (dequantized), or bf16 / f16 (matrices held in that "
+                    "precision, multiplied in f32).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", min=1, max=MAX_THREADS, help="Torch threads (default: every core).")]
 ContextOpt = Annotated[int, typer.Option("--max-context", min=16, max=MAX_CONTEXT, help="Longest sequence (prompt + generated) the KV cache holds.")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Apply the model's chat template.")]

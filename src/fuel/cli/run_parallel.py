@@ -43,8 +43,10 @@ def run_parallel(model: str | None, prompt: str, *, max_new_tokens: int, tp: int
     # Packed (stored-format) weights are not split by rank yet: a tensor-parallel run computes
     # dequantized, and its report says so.
     note = None
-    if dtype == "stored":
-        dtype, note = "f32", "stored formats are not split by rank: weights dequantized to f32"
+    if dtype in ("stored", "bf16", "f16"):
+        note = (f"{dtype} weights are held as packed rows, which are not split by rank: "
+                "weights dequantized to f32")
+        dtype = "f32"
     weights = load_weights(source, dtype=dtype)
     tokenizer = load_tokenizer(weights.source.folder)
     ids = tokenizer.encode(tokenizer.format_prompt(prompt) if chat else prompt)

@@ -406,14 +406,14 @@ def infer(kind: OpKind, attrs: dict[str, Any], shapes: Sequence[Shape],
 
 
 def _dequantize(kind: OpKind, attrs: dict[str, Any], x: Shape, dtype: DType) -> tuple[Shape, DType]:
-    from fuel.circuit.format import GGUF_BLOCKS
+    from fuel.circuit.format import ROW_LAYOUTS
 
     layout, cols = attrs["layout"], attrs["cols"]
     if dtype is not DType.U8 or x.rank < 1:
         raise ShapeError(kind.value, f"packed blocks are u8 [..., row_bytes], got {dtype.value} {x}")
-    if layout not in GGUF_BLOCKS or not isinstance(cols, int) or isinstance(cols, bool) or cols < 1:
+    if layout not in ROW_LAYOUTS or not isinstance(cols, int) or isinstance(cols, bool) or cols < 1:
         raise ShapeError(kind.value, f"layout {layout!r} / cols {cols!r} is not a block format")
-    elements, block_bytes = GGUF_BLOCKS[layout]
+    elements, block_bytes = ROW_LAYOUTS[layout]
     width = x.dims[-1]
     if cols % elements or (isinstance(width, int) and width != cols // elements * block_bytes):
         raise ShapeError(kind.value, f"{cols} columns of {layout} need {cols // elements} whole "

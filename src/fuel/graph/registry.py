@@ -393,11 +393,11 @@ def _rule_linear(p: FusedLinear, shapes, dtypes):
 
 
 def _rule_quant_linear(p: QuantLinear, shapes, dtypes):
-    from fuel.circuit.format import GGUF_BLOCKS
+    from fuel.circuit.format import ROW_LAYOUTS
 
     x, w = shapes
-    _need("quant_linear", p.layout in GGUF_BLOCKS, f"layout {p.layout!r} is not a block format")
-    elements, block_bytes = GGUF_BLOCKS[p.layout]
+    _need("quant_linear", p.layout in ROW_LAYOUTS, f"layout {p.layout!r} is not a block format")
+    elements, block_bytes = ROW_LAYOUTS[p.layout]
     _need("quant_linear", x.rank >= 2 and w.rank == 2 and x.dims[-1] == p.cols
           and p.cols % elements == 0 and w.dims[1] == p.cols // elements * block_bytes,
           f"x {x} and packed w {w} need x [..., {p.cols}], w [N, {p.cols // elements * block_bytes}]")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fuel.circuit.format import GGUF_BLOCKS, Format, FormatError, gguf_format, parse
+from fuel.circuit.format import GGUF_BLOCKS, HALF_ROWS, Format, FormatError, gguf_format, parse
 from fuel.errors import FuelError
 
 PLAIN_GGUF_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -32,6 +32,11 @@ PLAIN_GGUF_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 GGUF_TYPES = {**PLAIN_GGUF_TYPES, **{layout.upper(): f"gguf/{layout}" for layout in GGUF_BLOCKS}}
 """GGUF tensor type name (``gguf.GGMLQuantizationType`` member) → fuel format name."""
+
+HALF_LAYOUTS = HALF_ROWS
+"""16-bit float matrices run as packed rows (``bf16``/``f16`` weights, and a GGUF's F16/BF16
+matrices in ``--dtype stored``): one element per 2-byte "block", no scale. Their quantized
+matmul is the native kernel's (f32 accumulation); the dequantize arm widens them to f32."""
 
 KERNEL_LAYOUTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 """Block layouts with a synthesized quantized-matmul kernel (``fuel.jit.quant_gemv``); the other
@@ -54,7 +59,9 @@ def format_of_gguf_type(type_name: str) -> Format | None:
 
 
 def block_shape(layout: str) -> tuple[int, int]:
-    """``(elements per block, bytes per block)`` of a llama.cpp block layout."""
+    """``(elements per block, bytes per block)`` of a llama.cpp block layout (or a half layout)."""
+    if layout in HALF_LAYOUTS:
+        return HALF_LAYOUTS[layout]
     if layout not in GGUF_BLOCKS:
         raise FormatError(f"unknown llama.cpp block format `{layout}`")
     return GGUF_BLOCKS[layout]
@@ -82,6 +89,9 @@ def dequantize(packed: Any, layout: str, cols: int):
     from gguf import quants
 
     lead = tuple(packed.shape[:-1])
+    if layout in HALF_LAYOUTS:
+        half = torch.float16 if layout == "f16" else torch.bfloat16
+        return packed.contiguous().view(torch.uint8).view(half).float().reshape(*lead, cols)
     rows = packed.reshape(-1, packed.shape[-1]).contiguous().numpy()
     values = quants.dequantize(rows, _qtype(layout))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(*lead, cols)
@@ -107,6 +117,9 @@ def random_blocks(layout: str, rows: int, cols: int, generator: Any):
     import torch
 
     elements, block_bytes = block_shape(layout)
+    if layout in HALF_LAYOUTS:  # weights of a trained model's size, as 2-byte elements
+        values = torch.randn(rows, cols, generator=generator) * 0.05
+        return values.to(torch.float16 if layout == "f16" else torch.bfloat16).view(torch.uint8)
     if layout not in _F16_FIELDS:
         raise FormatError(f"gguf/{layout} is not a weight format with f16 scales")
     blocks = rows * (cols // elements)
@@ -131,6 +144,6 @@ def quantize_reference(values: Any, layout: str):
     return torch.from_numpy(np.ascontiguousarray(packed, dtype=np.uint8))
 
 
-__all__ = ["GGUF_TYPES", "KERNEL_LAYOUTS", "PLAIN_GGUF_TYPES", "UnsupportedTensorType",
+__all__ = ["GGUF_TYPES", "HALF_LAYOUTS", "KERNEL_LAYOUTS", "PLAIN_GGUF_TYPES", "UnsupportedTensorType",
            "block_shape", "dequantize", "format_of_gguf_type", "gguf_format", "packed_row_bytes",
            "quantize_reference", "random_blocks"]

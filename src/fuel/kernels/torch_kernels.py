@@ -339,8 +339,32 @@ class _PreparedWeights:
 PREPARED_WEIGHTS = _PreparedWeights()
 
 
+_NATIVE_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def _native_stream():
+    """The native kernels' streaming matmul when they load here (``fuel.kernels.native``), else
+    None. Looked up once per kernel factory, so a run pays the build or load once."""
+    from fuel.kernels import native
+
+    lib = native.load()
+    return None if isinstance(lib, native.Unavailable) else lib
+
+
 def _fused_linear(node: Node):
+    stream = _native_stream()
+    from fuel.kernels.native import STREAM_ROWS
+
     def linear(x, w, bias=None):
+        # Decode shapes (a few rows) read the checkpoint weight once at memory bandwidth in the
+        # native kernel (f16/bf16 loaded as they are, f32 accumulation); torch's M=1 paths read
+        # at a fraction of it on this CPU (benchmarks/bench_linear.py). GEMM shapes use torch.
+        if (stream is not None and x.device.type == "cpu" and w.dim() == 2
+                and w.dtype in _NATIVE_FORMATS and x.numel() <= STREAM_ROWS * x.shape[-1]):
+            out = stream.matmul(_NATIVE_FORMATS[w.dtype], x, w, x.shape[-1])
+            if bias is not None:
+                out += bias
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         layout, prepared = PREPARED_WEIGHTS.get(w)
         if layout is LinearLayout.CHECKPOINT:
             return F.linear(x, w, bias)

@@ -203,7 +203,9 @@ class Engine:
         self.on_build = on_build
         """Called ``(what, "start" | "built" | "restored")`` around each program build (the
         CLI's progress bar)."""
-        self.dtype = weights.dtype.torch
+        # The compute dtype: f32 for every storage dtype (bf16/f16/stored matrices are widened
+        # in registers by the matmul kernels: fuel.runtime.weights.DType.compute).
+        self.dtype = weights.dtype.compute
         self.store = WeightStore(weights, self.dtype)
         self.block_size = block_size
         self.max_context = max_context
@@ -238,9 +240,11 @@ class Engine:
                 self.on_build(what, "start")
             program, disk_key = None, None
             if self.program_cache is not None:
+                from fuel.runtime.lower import packed_layouts
                 from fuel.runtime.program_cache import program_key
 
-                disk_key = program_key(plan.digest, shape, self.dtype, self.optimize_options)
+                disk_key = program_key(plan.digest, shape, self.dtype, self.optimize_options,
+                                       packed_layouts(self.store))
                 program = self.program_cache.load(disk_key, self.store, self.table,
                                                   self.optimize_options)
             outcome = "restored"

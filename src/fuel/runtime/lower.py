@@ -877,12 +877,12 @@ def packed_layouts(weights: Mapping[str, Any]) -> dict[str, str]:
     layouts = {}
     for name in weights:
         fmt = format_of(name)
-        if fmt and fmt.startswith("gguf/"):
+        if fmt and (fmt.startswith("gguf/") or fmt in ("f16", "bf16")):
             layouts[name] = fmt.removeprefix("gguf/")
     aliases = getattr(weights, "aliases", None) or getattr(getattr(weights, "_tensors", None), "aliases", {})
     for alias in aliases or {}:
         fmt = format_of(alias)
-        if fmt and fmt.startswith("gguf/"):
+        if fmt and (fmt.startswith("gguf/") or fmt in ("f16", "bf16")):
             layouts[alias] = fmt.removeprefix("gguf/")
     return layouts
 
@@ -906,10 +906,8 @@ class _ShapeView(Mapping[str, tuple[int, ...]]):
 
 def _dtype_of(weights: Mapping[str, Any]) -> DType:
     dtype = getattr(weights, "dtype", None)
-    if dtype is not None and hasattr(dtype, "value") and dtype.value in ("f32", "bf16"):
-        return DType(dtype.value)
-    if dtype is not None and getattr(dtype, "value", None) == "stored":
-        return DType.F32  # packed weights compute in f32
+    if dtype is not None and hasattr(dtype, "compute"):
+        return DType.F32  # loaded weights (fuel.runtime.weights.DType) always compute in f32
     for value in weights.values():
         return _GRAPH_DTYPES.get(str(getattr(value, "dtype", "")).removeprefix("torch."), DType.F32)
     return DType.F32

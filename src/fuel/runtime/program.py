@@ -82,7 +82,13 @@ class WeightStore(Mapping[str, "torch.Tensor"]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._derived:
             return self._derived[name]
-        return self._tensors[name]
+        tensor = self._tensors[name]
+        if tensor.dtype.itemsize == 2 and self.format_of(name) in ("bf16", "f16"):
+            import torch
+
+            # A half-precision matrix runs as packed rows of 2-byte elements (its bytes, no copy).
+            return tensor.view(torch.uint8)
+        return tensor
 
     def __iter__(self):
         yield from self._tensors

@@ -34,6 +34,7 @@ import io
 import os
 import pickle
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -100,8 +101,11 @@ def options_identity(options: Any) -> str:
     return ";".join(parts)
 
 
-def program_key(digest: str, shape: Any, dtype: Any, options: Any) -> str:
-    """The key of a program: every input its build depends on (module docstring)."""
+def program_key(digest: str, shape: Any, dtype: Any, options: Any,
+                layouts: Mapping[str, str] | None = None) -> str:
+    """The key of a program: every input its build depends on (module docstring). ``layouts``:
+    the packed layout of each weight (``fuel.runtime.lower.packed_layouts``): the same plan over
+    Q4_0 and Q4_1 weights, or bf16 and f16 ones, lowers to different programs."""
     import torch
 
     from fuel.cost.fingerprint import device_fingerprint
@@ -111,6 +115,7 @@ def program_key(digest: str, shape: Any, dtype: Any, options: Any) -> str:
         f"plan={digest}",
         f"shape={shape!r}",
         f"dtype={dtype}",
+        f"layouts={sorted((layouts or {}).items())}",
         f"code={code_digest()}",
         f"libraries={_library_versions()}",
         f"machine={device_fingerprint('cpu')}",

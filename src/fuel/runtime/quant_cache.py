@@ -38,12 +38,12 @@ _FORMATS_KEY = "fuel.formats"
 def logical_shape(tensor: Any, format_name: str | None) -> tuple[int, ...]:
     """The model-facing shape of a tensor held in ``format_name`` (None: its own shape)."""
     shape = tuple(int(d) for d in tensor.shape)
-    if format_name is None:
-        return shape
-    fmt = parse(format_name)
-    from fuel.kernels.quant_blocks import block_shape
+    if format_name is None or str(tensor.dtype) != "torch.uint8":
+        return shape  # a plain tensor, or a half-precision matrix held as itself
+    from fuel.kernels.quant_blocks import HALF_LAYOUTS, block_shape
 
-    elements, block_bytes = block_shape(fmt.layout)
+    elements, block_bytes = block_shape(format_name if format_name in HALF_LAYOUTS
+                                        else parse(format_name).layout)
     return (*shape[:-1], shape[-1] // block_bytes * elements)
 
 

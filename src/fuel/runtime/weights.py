@@ -38,6 +38,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -121,6 +122,10 @@ class DType(Enum):
 
     F32 = "f32"
     BF16 = "bf16"
+    """Projection and embedding matrices held in bf16 (:data:`HALF_PACKED`), multiplied in f32
+    (half-precision loads, f32 accumulation: this CPU has no bf16 arithmetic); the rest f32."""
+    F16 = "f16"
+    """As ``bf16``, with IEEE half-precision matrices."""
     STORED = "stored"
     """Each tensor in the format its file stores (GGUF blocks stay packed; computed in f32)."""
 
@@ -131,14 +136,32 @@ class DType(Enum):
         try:
             return cls(value)
         except ValueError:
-            raise InputError("--dtype", "dtype", f"{value!r} is not one of f32, bf16, stored") from None
+            raise InputError("--dtype", "dtype", f"{value!r} is not one of f32, bf16, f16, stored") from None
 
     @property
     def torch(self) -> torch.dtype:
+        """The storage dtype of the matrices (norm gains and biases are f32 but for ``f32``)."""
         import torch
 
-        return {DType.F32: torch.float32, DType.BF16: torch.bfloat16,
+        return {DType.F32: torch.float32, DType.BF16: torch.bfloat16, DType.F16: torch.float16,
                 DType.STORED: torch.float32}[self]
+
+    @property
+    def compute(self) -> torch.dtype:
+        """The dtype a step computes in: f32 for every storage dtype (16-bit weights are
+        widened in registers by the matmul kernels, never as a whole)."""
+        import torch
+
+        return torch.float32
+
+    @property
+    def half(self) -> bool:
+        return self in (DType.BF16, DType.F16)
+
+
+HALF_PACKED = re.compile(r"(\.(q|k|v|o)_proj|\.(gate|up|down)_proj|embed_tokens|lm_head)\.weight$")
+"""Tensors a ``bf16``/``f16`` run holds in half precision: the projection, embedding and LM-head
+matrices (what a decode step reads). MoE experts (``.experts.``), norm gains and biases stay f32."""
 
 
 class SourceKind(Enum):
@@ -166,8 +189,9 @@ class Weights(Mapping[str, "torch.Tensor"]):
     dtype: DType
     aliases: Mapping[str, str] = field(default_factory=dict)
     formats: Mapping[str, str] = field(default_factory=dict)
-    """Format names of tensors held packed (``gguf/q4_1``: a u8 ``[rows, row_bytes]`` tensor);
-    a tensor not named here is a plain float tensor (:mod:`fuel.runtime.quant_cache`)."""
+    """Format names of tensors held packed (``gguf/q4_1``: a u8 ``[rows, row_bytes]`` tensor;
+    ``bf16``/``f16``: a half-precision matrix a bf16/f16 run multiplies as packed rows of 2-byte
+    elements); a tensor not named here is a plain float tensor (:mod:`fuel.runtime.quant_cache`)."""
 
     def format_of(self, name: str) -> str | None:
         """The packed format of ``name`` (aliases resolved), or None for a plain tensor."""
@@ -396,17 +420,25 @@ def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> W
     if not isinstance(config, dict):
         raise CorruptWeightsFile(str(config_path), "top level is not a JSON object")
 
+    import torch
+
     tensors: dict[str, torch.Tensor] = {}
+    formats: dict[str, str] = {}  # bf16/f16 runs: the half-precision matrices (HALF_PACKED)
     for shard in _shards(folder):
         for name, tensor in _read_safetensors(shard).items():
             if name in tensors:
                 raise CorruptWeightsFile(str(shard), f"tensor `{name}` appears in two shards")
-            tensors[name] = tensor if tensor.dtype == dtype.torch else tensor.to(dtype.torch)
+            half = dtype.half and tensor.dim() == 2 and HALF_PACKED.search(name) \
+                and ".experts." not in name
+            target = dtype.torch if half or not dtype.half else torch.float32
+            tensors[name] = tensor if tensor.dtype == target else tensor.to(target)
+            if half:
+                formats[name] = dtype.value
 
     aliases: dict[str, str] = {}
     if config.get("tie_word_embeddings", False) and "lm_head.weight" not in tensors:
         aliases["lm_head.weight"] = "model.embed_tokens.weight"
-    return Weights(tensors, config, WeightsSource(given, kind, folder), dtype, aliases)
+    return Weights(tensors, config, WeightsSource(given, kind, folder), dtype, aliases, formats)
 
 
 def _shards(folder: Path) -> list[Path]:

@@ -47,7 +47,9 @@ FORMAT_CODES: dict[str, int] = {
 }
 """The weight formats the library multiplies (GGUF block layouts by their llama.cpp names)."""
 
-QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"})
+QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16"})
+"""The packed layouts a ``quant_linear`` region may carry that the library multiplies (GGUF
+blocks, and 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``)."""
 
 STREAM_ROWS = 4
 """Activation rows up to which one streaming pass beats dequantize-then-GEMM (decode shapes)."""

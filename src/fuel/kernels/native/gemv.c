@@ -31,6 +31,8 @@
 #include <immintrin.h>
 #endif
 
+#define INLINE static inline __attribute__((always_inline))
+
 enum { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14 };
 
 static inline float half_to_float(uint16_t h) {
@@ -58,7 +60,7 @@ static inline float bf16_to_float(uint16_t h) {
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
-static int block_bytes(int fmt) {
+INLINE int block_bytes(int fmt) {
     switch (fmt) {
     case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
     case Q8_0: return 34; default: return 0;
@@ -67,7 +69,7 @@ static int block_bytes(int fmt) {
 
 /* The 32 quants of a block as small integers q (before scale/offset), and the block's scale d
    and offset m such that w = d * q + m. */
-static inline void block_ints(int fmt, const uint8_t *b, int32_t q[32], float *d, float *m) {
+INLINE void block_ints(int fmt, const uint8_t *b, int32_t q[32], float *d, float *m) {
     *d = half_to_float(rd16(b));
     switch (fmt) {
     case Q4_0: { const uint8_t *qs = b + 2; *m = -8.0f * *d;
@@ -102,7 +104,7 @@ static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cv
 static inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
 /* sum_j q_j * x_j over one block (the integer part, before d), 8 lanes wide. */
-static inline __m256 block_dot(int fmt, const uint8_t *b, const float *x) {
+INLINE __m256 block_dot(int fmt, const uint8_t *b, const float *x) {
     __m128i lo, hi;
     if (fmt == Q8_0) {
         __m128i a = _mm_loadu_si128((const __m128i *)(b + 2)), c = _mm_loadu_si128((const __m128i *)(b + 18));
@@ -137,7 +139,7 @@ static inline __m256 block_dot(int fmt, const uint8_t *b, const float *x) {
 
 #ifdef __AVX2__
 /* The 32 quants of a block as four f32 vectors (before d and m). */
-static inline void block_unpack(int fmt, const uint8_t *b, __m256 q[4]) {
+INLINE void block_unpack(int fmt, const uint8_t *b, __m256 q[4]) {
     if (fmt == Q8_0) {
         __m128i a = _mm_loadu_si128((const __m128i *)(b + 2)), c = _mm_loadu_si128((const __m128i *)(b + 18));
         q[0] = i8x8_to_ps(a); q[1] = i8x8_to_ps(_mm_srli_si128(a, 8));
@@ -163,7 +165,7 @@ static inline void block_unpack(int fmt, const uint8_t *b, __m256 q[4]) {
 #endif
 
 /* Dequantize one packed row of K weights to f32. */
-static void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
+INLINE void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
     if (fmt == F32) { memcpy(dst, row, (size_t)K * 4); return; }
     if (fmt == F16) { const uint8_t *p = row; for (int64_t k = 0; k < K; k++) dst[k] = half_to_float(rd16(p + 2 * k)); return; }
     if (fmt == BF16) { const uint8_t *p = row; for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_float(rd16(p + 2 * k)); return; }
@@ -186,7 +188,7 @@ static void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
 }
 
 /* One output: packed row `row` against activation row x (with its per-block sums xs). */
-static inline float dot_quant(int fmt, const uint8_t *row, const float *x, const float *xs, int64_t K) {
+INLINE float dot_quant(int fmt, const uint8_t *row, const float *x, const float *xs, int64_t K) {
     const int bb = block_bytes(fmt);
     const int64_t blocks = K / 32;
     float bias = 0.0f;
@@ -225,28 +227,43 @@ static inline float dot_quant(int fmt, const uint8_t *row, const float *x, const
 #endif
 }
 
+#ifdef __AVX2__
+/* Eight weights k..k+7 of a dense row as f32. */
+INLINE __m256 load8(int fmt, const uint8_t *p, int64_t k) {
+    if (fmt == F32) return _mm256_loadu_ps((const float *)p + k);
+#ifdef __F16C__
+    if (fmt == F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + k)));
+#endif
+    if (fmt == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k))), 16));
+    float t[8];
+    for (int j = 0; j < 8; j++) t[j] = half_to_float(rd16(p + 2 * (k + j)));
+    return _mm256_loadu_ps(t);
+}
+#endif
+
 /* Dense rows: f32 / f16 / bf16 weights, f32 accumulation. Four rows at once share x's loads. */
-static void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
+INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
                        int64_t K, float *out) {
 #ifdef __AVX2__
-    __m256 a[4];
-    for (int r = 0; r < 4; r++) a[r] = _mm256_setzero_ps();
+    __m256 a[4], b[4];
+    for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 xv = _mm256_loadu_ps(x + k);
-        for (int r = 0; r < 4 && r < rows; r++) {
-            const uint8_t *p = w + r * row_bytes;
-            __m256 wv;
-            if (fmt == F32) wv = _mm256_loadu_ps((const float *)p + k);
-#ifdef __F16C__
-            else if (fmt == F16) wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + k)));
-#endif
-            else if (fmt == BF16) wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                    _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k))), 16));
-            else { float t[8]; for (int j = 0; j < 8; j++) t[j] = half_to_float(rd16(p + 2 * (k + j))); wv = _mm256_loadu_ps(t); }
-            a[r] = _mm256_fmadd_ps(wv, xv, a[r]);
+    if (rows >= 4) {
+        const uint8_t *p0 = w, *p1 = w + row_bytes, *p2 = w + 2 * row_bytes, *p3 = w + 3 * row_bytes;
+        for (; k + 16 <= K; k += 16) {
+            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+            a[0] = _mm256_fmadd_ps(load8(fmt, p0, k), x0, a[0]); b[0] = _mm256_fmadd_ps(load8(fmt, p0, k + 8), x1, b[0]);
+            a[1] = _mm256_fmadd_ps(load8(fmt, p1, k), x0, a[1]); b[1] = _mm256_fmadd_ps(load8(fmt, p1, k + 8), x1, b[1]);
+            a[2] = _mm256_fmadd_ps(load8(fmt, p2, k), x0, a[2]); b[2] = _mm256_fmadd_ps(load8(fmt, p2, k + 8), x1, b[2]);
+            a[3] = _mm256_fmadd_ps(load8(fmt, p3, k), x0, a[3]); b[3] = _mm256_fmadd_ps(load8(fmt, p3, k + 8), x1, b[3]);
         }
     }
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv = _mm256_loadu_ps(x + k);
+        for (int r = 0; r < 4 && r < rows; r++) a[r] = _mm256_fmadd_ps(load8(fmt, w + r * row_bytes, k), xv, a[r]);
+    }
+    for (int r = 0; r < 4; r++) a[r] = _mm256_add_ps(a[r], b[r]);
     for (int r = 0; r < 4 && r < rows; r++) {
         float s = hsum(a[r]);
         const uint8_t *p = w + r * row_bytes;
@@ -268,7 +285,23 @@ static void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
 #endif
 }
 
-#define TILE 16
+#define TILE 16  /* weight rows per scheduling unit */
+
+/* Every output of weight rows [n0, n1) for all M activation rows; `fmt` is a constant at each
+   call site (fuel_matmul's switch), so each format gets its own specialised loop. */
+INLINE void tile_rows(const int fmt, const float *x, const uint8_t *w, float *out, const float *xs,
+                      int64_t M, int64_t N, int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        if (block_bytes(fmt) > 0) {
+            for (int64_t n = n0; n < n1; n++)
+                out[m * N + n] = dot_quant(fmt, w + n * row_bytes, xr, xs + m * (K / 32), K);
+        } else {
+            for (int64_t n = n0; n < n1; n += 4)
+                dot_dense4(fmt, w + n * row_bytes, row_bytes, n1 - n, xr, K, out + m * N + n);
+        }
+    }
+}
 
 /* out[M, N] = x[M, K] @ W[N, K]^T for weights in format `fmt`, on `threads` threads of the
    OpenMP runtime torch uses. Returns 0, or -1 for a format or width it cannot run. */
@@ -292,16 +325,16 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
     const int parallel = threads > 1 && N * K >= 65536;
     #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
     for (int64_t t = 0; t < tiles; t++) {
-        int64_t n0 = t * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
-        for (int64_t m = 0; m < M; m++) {
-            const float *xr = x + m * K;
-            if (quant) {
-                for (int64_t n = n0; n < n1; n++)
-                    out[m * N + n] = dot_quant(fmt, w + n * row_bytes, xr, xs + m * (K / 32), K);
-            } else {
-                for (int64_t n = n0; n < n1; n += 4)
-                    dot_dense4(fmt, w + n * row_bytes, row_bytes, n1 - n, xr, K, out + m * N + n);
-            }
+        const int64_t n0 = t * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+        switch (fmt) {
+        case F32: tile_rows(F32, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case F16: tile_rows(F16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case BF16: tile_rows(BF16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case Q4_0: tile_rows(Q4_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case Q4_1: tile_rows(Q4_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case Q5_0: tile_rows(Q5_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case Q5_1: tile_rows(Q5_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        default: tile_rows(Q8_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
         }
     }
     free(xs);
@@ -329,7 +362,11 @@ int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K,
                     int threads) {
     if (block_bytes(fmt) > 0 ? K % 32 != 0 : (fmt != F32 && fmt != F16 && fmt != BF16)) return -1;
     const int parallel = threads > 1 && N * K >= 65536;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
-    for (int64_t n = 0; n < N; n++) dequant_row(fmt, w + n * row_bytes, K, dst + n * K);
+    switch (fmt) {
+#define DEQ(F) case F: { _Pragma("omp parallel for schedule(static) num_threads(threads) if (parallel)") \
+        for (int64_t n = 0; n < N; n++) dequant_row(F, w + n * row_bytes, K, dst + n * K); break; }
+    DEQ(F32) DEQ(F16) DEQ(BF16) DEQ(Q4_0) DEQ(Q4_1) DEQ(Q5_0) DEQ(Q5_1) DEQ(Q8_0)
+#undef DEQ
+    }
     return 0;
 }
