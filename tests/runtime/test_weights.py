@@ -26,6 +26,7 @@ from fuel.runtime.gguf_loader import (
     unpermute_rotary_rows,
 )
 from fuel.runtime.weights import (
+    HALF_PACKED,
     DType,
     ModelNotInstalled,
     SourceKind,
@@ -170,10 +171,16 @@ def test_interrupted_conversion_leaves_no_cache_behind(tiny_gguf, tmp_path, monk
     assert list((tmp_path / "weights").iterdir()) == []
 
 
-def test_bf16_load_casts_every_tensor(tiny_gguf, tmp_path):
-    weights = load_weights(tiny_gguf.path, cache=tmp_path, dtype="bf16", progress=False)
-    assert weights.dtype is DType.BF16
-    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}
+@pytest.mark.parametrize("dtype, half", [("bf16", torch.bfloat16), ("f16", torch.float16)])
+def test_half_load_holds_matrices_in_half_and_the_rest_in_f32(tiny_gguf, tmp_path, dtype, half):
+    weights = load_weights(tiny_gguf.path, cache=tmp_path, dtype=dtype, progress=False)
+    assert weights.dtype is DType(dtype)
+    for name, tensor in weights.tensors.items():
+        matrix = tensor.dim() == 2 and HALF_PACKED.search(name) is not None
+        assert tensor.dtype == (half if matrix else torch.float32), name
+        assert weights.format_of(name) == (dtype if matrix else None), name
+    assert any(weights.format_of(name) == dtype for name in weights.tensors)
+    assert any(weights.format_of(name) is None for name in weights.tensors)
 
 
 def test_unknown_dtype_is_an_input_error():
