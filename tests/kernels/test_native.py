@@ -1,0 +1,159 @@
+"""The native CPU matmul kernels (``fuel.kernels.native``): every format equals the
+dequantize-then-matmul reference (the gguf package's dequantizer) within the JIT's f32 bound, on
+the streaming (decode) path and the tiled GEMM (prefill) path, on random blocks and on SmolLM2's
+own rows; the library shares torch's OpenMP runtime (one thread pool); a missing compiler is a
+reason, not a crash; and the CPU synthesizer answers quantized matmuls with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fuel.graph.dtype import DType
+from fuel.graph.ir import Graph
+from fuel.graph.registry import FusedOpParams, FusedOps
+from fuel.jit.adopt import verify
+from fuel.jit.protocol import Declined, Synthesized
+from fuel.kernels import RECIPE_TOLERANCE, native
+from fuel.kernels.quant_blocks import dequantize, packed_row_bytes, random_blocks
+
+TOLERANCE = RECIPE_TOLERANCE[DType.F32]
+LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    loaded = native.load()
+    if isinstance(loaded, native.Unavailable):
+        pytest.fail(f"the native kernels must build on this machine (gcc is installed): {loaded.reason}")
+    return loaded
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_every_format_equals_the_dequantized_reference(lib, layout, rows):
+    generator = torch.Generator().manual_seed(rows)
+    # 70 features: not a multiple of the 16-row scheduling tile nor of the 4-row dense block.
+    w = random_blocks(layout, 70, 224, generator)
+    x = torch.randn(rows, 224, generator=generator)
+    want = x @ dequantize(w, layout, 224).T
+    check = verify(lib.matmul(layout, x, w, 224), want, TOLERANCE)
+    assert check.ok, check.report
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.float32, "f32"), (torch.float16, "f16"),
+                                         (torch.bfloat16, "bf16")])
+def test_dense_weights_multiply_as_they_are(lib, dtype, name):
+    generator = torch.Generator().manual_seed(5)
+    w = (torch.randn(45, 100, generator=generator) * 0.1).to(dtype)  # 100: not a multiple of 8
+    x = torch.randn(2, 100, generator=generator)
+    check = verify(lib.matmul(name, x, w, 100), x @ w.float().T, TOLERANCE)
+    assert check.ok, check.report
+
+
+def test_a_width_that_splits_a_block_is_refused(lib):
+    w = torch.zeros(4, 18, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="q4_0 with 40 columns"):
+        lib.matmul("q4_0", torch.zeros(1, 40), w, 40)
+
+
+def test_the_smollm2_rows_match_the_reference(lib):
+    from gguf import GGUFReader
+
+    from fuel.runtime.weights import default_model_path
+
+    tensors = {t.name: t for t in GGUFReader(default_model_path()).tensors}
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(4))
+    for name, layout in (("blk.0.ffn_gate.weight", "q4_1"), ("token_embd.weight", "q8_0")):
+        w = torch.from_numpy(tensors[name].data[:700].copy())
+        check = verify(lib.matmul(layout, x, w, 576), x @ dequantize(w, layout, 576).T, TOLERANCE)
+        assert check.ok, f"{name}: {check.report}"
+
+
+def _child(code: str, env: dict[str, str]) -> dict:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_library_runs_on_torchs_openmp_runtime(tmp_path):
+    """One pool: after loading, the process maps exactly one OpenMP runtime (torch's), and a
+    parallel region of the library gets the threads asked for."""
+    found = _child(
+        "import json, torch; torch.set_num_threads(2)\n"
+        "from fuel.kernels import native\n"
+        "lib = native.load()\n"
+        "maps = {l.split()[-1] for l in open('/proc/self/maps') if 'gomp' in l or 'libomp' in l}\n"
+        "print(json.dumps({'maps': sorted(maps), 'threads': lib.pool_threads(2),\n"
+        "                  'torch': torch.__file__}))",
+        {"FUEL_CACHE_DIR": str(tmp_path)})
+    assert len(found["maps"]) == 1, found["maps"]
+    assert Path(found["maps"][0]).resolve().is_relative_to(Path(found["torch"]).parent.resolve())
+    assert found["threads"] == 2
+
+
+def test_no_compiler_is_a_reason_not_a_crash(tmp_path):
+    found = _child(
+        "import json\nfrom fuel.kernels import native\nlib = native.load()\n"
+        "print(json.dumps({'unavailable': isinstance(lib, native.Unavailable),"
+        " 'reason': getattr(lib, 'reason', '')}))",
+        {"FUEL_CACHE_DIR": str(tmp_path), "CC": str(tmp_path / "no-such-cc")})
+    assert found["unavailable"] and "no-such-cc" in found["reason"]
+    assert not list(tmp_path.glob("native/*/*.so")), "nothing half-built is left behind"
+
+
+def test_a_damaged_library_is_rebuilt(tmp_path):
+    env = {"FUEL_CACHE_DIR": str(tmp_path)}
+    code = ("import json\nfrom fuel.kernels import native\nlib = native.load()\n"
+            "print(json.dumps({'path': str(getattr(lib, 'path', '')), "
+            "'reason': getattr(lib, 'reason', '')}))")
+    first = _child(code, env)
+    assert first["path"], first["reason"]
+    Path(first["path"]).write_bytes(b"not an ELF file")
+    second = _child(code, env)
+    assert second["path"] == first["path"] and Path(second["path"]).read_bytes()[:4] == b"\x7fELF"
+
+
+def _quant_request(layout: str):
+    from tests.jit.helpers import request_for
+
+    graph = Graph()
+    x = graph.input("x", (1, 128), DType.F32)
+    w = graph.input("w", (64, packed_row_bytes(layout, 128)), DType.U8)
+    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, 128), x, w)
+    return request_for(graph, node)
+
+
+@pytest.mark.parametrize("layout", ["q4_1", "bf16"])
+def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, tmp_path):
+    from fuel.jit.native_synth import KERNEL_SOURCE, CpuSynthesizer
+
+    synth = CpuSynthesizer(cache_dir=tmp_path)
+    answer = synth.synthesize(_quant_request(layout))
+    assert isinstance(answer, Synthesized) and answer.entry_point.startswith("native:")
+    kernel = synth.take_kernel(answer.entry_point)
+    assert kernel.kernel_source == KERNEL_SOURCE
+    w = random_blocks(layout, 64, 128, torch.Generator().manual_seed(1))
+    x = torch.randn(1, 128)
+    assert verify(kernel.run(x, w), x @ dequantize(w, layout, 128).T, TOLERANCE).ok
+
+
+def test_layouts_the_library_lacks_go_to_numba(tmp_path):
+    from fuel.jit.native_synth import CpuSynthesizer
+
+    synth = CpuSynthesizer(cache_dir=tmp_path)
+    graph = Graph()
+    x = graph.input("x", (1, 256), DType.F32)
+    w = graph.input("w", (4, packed_row_bytes("q6_k", 256)), DType.U8)
+    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear("q6_k", 256), x, w)
+    from tests.jit.helpers import request_for
+
+    answer = synth.synthesize(request_for(graph, node))
+    assert isinstance(answer, Declined) and "gguf/q6_k" in answer.reason  # numba's own reason
