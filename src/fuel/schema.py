@@ -64,7 +64,10 @@ def dotted(loc: Sequence[str | int], prefix: str = "") -> str | None:
     for part in loc:
         if part == "[key]":  # pydantic's marker for a dict key (the key itself names it)
             continue
-        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+        if isinstance(part, int) or str(part).startswith("["):
+            key += f"[{part}]" if isinstance(part, int) else part
+        else:
+            key += f".{part}" if key else part
     return key or None
 
 
