@@ -58,6 +58,10 @@ _EXPECTED = {
 }
 
 
+_BOUNDS = {"greater_than": ("more than", "gt"), "greater_than_equal": ("at least", "ge"),
+           "less_than": ("less than", "lt"), "less_than_equal": ("at most", "le")}
+
+
 def dotted(loc: Sequence[str | int], prefix: str = "") -> str | None:
     """``("device", "x", "modes", 2)`` -> ``device.x.modes[2]``; ``prefix`` goes in front."""
     key = prefix
@@ -83,9 +87,10 @@ def _detail(error: dict[str, Any]) -> str:
         return f"expected {ctx['expected']}, got {value!r}"
     if kind in _EXPECTED:
         return f"expected {_EXPECTED[kind]}, got {value!r}"
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        relation = error["msg"].removeprefix("Input should be ").rsplit(" ", 1)[0]
-        return f"expected a number {relation} {next(iter(ctx.values())):g}, got {value!r}"
+    if kind in _BOUNDS:
+        relation, name = _BOUNDS[kind]
+        bound = ctx[name]
+        return f"expected {relation} {f'{bound:g}' if isinstance(bound, float) else bound}, got {value!r}"
     if kind in ("too_short", "string_too_short"):
         what = "string" if isinstance(value, str) else "table" if isinstance(value, dict) else "list"
         return f"expected a non-empty {what}, got {value!r}"
