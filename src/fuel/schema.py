@@ -109,9 +109,11 @@ def schema_error(error: ValidationError, fail: Fail, prefix: str = "") -> FuelEr
     return fail(dotted(loc, prefix), _detail(first))
 
 
-def validate(model: type[M], data: Any, fail: Fail, prefix: str = "") -> M:
-    """``data`` as a ``model``; any failure is ONE ``fail(key, detail)`` (keys under ``prefix``)."""
+def validate(model: type[M], data: Any, fail: Fail, prefix: str = "",
+             context: dict[str, Any] | None = None) -> M:
+    """``data`` as a ``model``; any failure is ONE ``fail(key, detail)`` (keys under ``prefix``).
+    ``context`` reaches validators as ``info.context``."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as error:
         raise schema_error(error, fail, prefix) from None
