@@ -75,8 +75,19 @@ def dotted(loc: Sequence[str | int], prefix: str = "") -> str | None:
     return key or None
 
 
+class _Shown:
+    """A bad value as the message shows it: its repr, cut to 200 characters."""
+
+    def __init__(self, value: Any):
+        text = repr(value)
+        self.text = text if len(text) <= 200 else text[:197] + "..."
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _detail(error: dict[str, Any]) -> str:
-    kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    kind, value, ctx = error["type"], _Shown(error.get("input")), error.get("ctx") or {}
     if kind == "missing":
         return "missing"
     if kind == "extra_forbidden":
@@ -92,7 +103,8 @@ def _detail(error: dict[str, Any]) -> str:
         bound = ctx[name]
         return f"expected {relation} {f'{bound:g}' if isinstance(bound, float) else bound}, got {value!r}"
     if kind in ("too_short", "string_too_short"):
-        what = "string" if isinstance(value, str) else "table" if isinstance(value, dict) else "list"
+        raw = error.get("input")
+        what = "string" if isinstance(raw, str) else "table" if isinstance(raw, dict) else "list"
         return f"expected a non-empty {what}, got {value!r}"
     message = error["msg"]
     return f"{message[0].lower()}{message[1:]}, got {value!r}"
