@@ -29,7 +29,8 @@ class Schema(BaseModel):
     """Base of every input schema: exact types (no ``"1"`` for 1, no ``true`` for 1), unknown
     keys refused, only finite floats."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True,
+                              defer_build=True)
 
 
 class Invalid(ValueError):
