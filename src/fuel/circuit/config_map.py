@@ -45,6 +45,13 @@ Two spellings of one setting (``torch_dtype`` and ``dtype``, ``rope_theta`` and
 ``rope_parameters.rope_theta``, ``rope_scaling`` and ``rope_parameters``) may both appear;
 they must state the same value, or the config is refused naming both keys.
 
+A map file's format is pydantic models (``_Map``, one model per key class; :mod:`fuel.schema`).
+Reading a ``config.json`` stays hand-written (``_Reader``): its keys are not a fixed schema but
+whatever the serving map classifies, each refusal is its own typed error (unclassified key,
+requirement, missing key, two spellings that disagree) naming the config's own spelling, and
+values are checked against each other (heads divide, top-k fits, a per-layer list has one entry
+per layer); a model generated per map would restate the map, not shorten the reader.
+
 Invariants: every key of the (followed) config is consumed by exactly one classification, or
 the result is a typed refusal naming the config file and the key as the config spells it; the
 shape is a pure function of the config and the map.
@@ -56,14 +63,17 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, model_validator
 
 from fuel.circuit.dims import DimError, parse_dim
 from fuel.circuit.format import Format, parse as parse_format
 from fuel.circuit.ir import ArchShape, LayerKind
 from fuel.errors import InputError
+from fuel.schema import Invalid, Schema, Text, validate
 
 SCHEMA = 1
 MAPS_DIR = Path(__file__).resolve().parent.parent / "data" / "configmaps"
@@ -79,7 +89,6 @@ context length, vocabulary and width in the corpus, and small enough that any pr
 sizes stays exact and every buffer size fits 64 bits."""
 
 _WEIGHT_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-_CHECKS = ("positive", "size", "bool")
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
@@ -206,149 +215,135 @@ class ConfigMap:
 
 
 # --------------------------------------------------------------------------- loading maps
+# A map file's format is pydantic models (fuel.schema); each `[keys]` entry is validated by the
+# model of the one class it names (dispatched below: a tagged union would put the tag in keys).
 
 
-def _fail(file: str, key: str, detail: str) -> ConfigMapError:
-    return ConfigMapError(file, key, detail)
+class _Ignore(Schema):
+    ignore: str
 
 
-def _expect(file: str, key: str, value: Any, kind: type) -> Any:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _fail(file, key, f"expected {kind.__name__}, got `{value!r}`")
-    return value
+class _Param(Schema):
+    param: str
+    default: Any = None
+    check: Literal["positive", "size", "bool"] | None = None
 
 
-_CLASSES = ("ignore", "param", "require", "require_null", "require_each", "weight_format")
-_ALLOWED = {
-    "ignore": {"ignore"},
-    "param": {"param", "default", "check"},
-    "require": {"require", "why", "default"},
-    "require_null": {"require_null", "why"},
-    "require_each": {"require_each", "why"},
-    "weight_format": {"weight_format"},
+class _Require(Schema):
+    require: Any
+    why: Text
+    default: Any = None
+
+
+class _RequireNull(Schema):
+    require_null: Any
+    why: Text
+
+
+class _RequireEach(Schema):
+    require_each: Any
+    why: Text
+
+
+class _WeightFormat(Schema):
+    weight_format: Any
+
+
+_CLASSES: dict[str, type[Schema]] = {
+    "ignore": _Ignore, "param": _Param, "require": _Require, "require_null": _RequireNull,
+    "require_each": _RequireEach, "weight_format": _WeightFormat,
 }
 
 
 def _key_rule(file: str, key: str, raw: Any) -> KeyRule:
-    where = f"keys.{key}"
-    if not isinstance(raw, dict):
-        raise _fail(file, where, "expected a table such as { ignore = \"why\" }")
-    classes = [c for c in _CLASSES if c in raw]
+    fail = partial(ConfigMapError, file)
+    classes = [c for c in _CLASSES if c in raw] if isinstance(raw, dict) else []
     if len(classes) != 1:
-        raise _fail(file, where, f"give exactly one of {', '.join(_CLASSES)}")
+        raise fail(f"keys.{key}", f"give exactly one of {', '.join(_CLASSES)}, got {raw!r}")
     kind = classes[0]
-    for name in sorted(raw):
-        if name not in _ALLOWED[kind]:
-            raise _fail(file, f"{where}.{name}", f"unknown key for a `{kind}` classification")
-    has_default, default = "default" in raw, raw.get("default")
-    if kind == "ignore":
-        return KeyRule(key, kind, reason=_expect(file, f"{where}.ignore", raw["ignore"], str))
-    if kind == "param":
-        check = raw.get("check")
-        if check is not None and check not in _CHECKS:
-            raise _fail(file, f"{where}.check", f"one of {', '.join(_CHECKS)}, got `{check!r}`")
-        return KeyRule(key, kind, param=_expect(file, f"{where}.param", raw["param"], str),
-                       has_default=has_default, default=default, check=check)
-    if kind == "weight_format":
-        return KeyRule(key, kind)
-    why = raw.get("why")
-    if not isinstance(why, str) or not why:
-        raise _fail(file, f"{where}.why", "a requirement says why")
-    return KeyRule(key, kind, reason=why, value=raw.get(kind), has_default=has_default,
-                   default=default)
+    rule = validate(_CLASSES[kind], raw, fail, f"keys.{key}")
+    return KeyRule(key, kind, reason=getattr(rule, "why", getattr(rule, "ignore", "")),
+                   param=getattr(rule, "param", None), value=raw.get(kind),
+                   has_default="default" in raw, default=raw.get("default"),
+                   check=getattr(rule, "check", None))
 
 
-def _rope_rule(file: str, raw: Any) -> RopeRule:
-    raw = _expect(file, "rope", raw, dict)
-    for name in sorted(raw):
-        if name not in ("theta_default", "types"):
-            raise _fail(file, f"rope.{name}", "unknown key (theta_default, types)")
-    theta = raw.get("theta_default")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise _fail(file, "rope.theta_default", "a positive number (transformers' default theta)")
-    types_raw = _expect(file, "rope.types", raw.get("types"), dict)
-    if "default" not in types_raw:
-        raise _fail(file, "rope.types", "name the `default` type too (plain rope, no sub-keys)")
-    types = []
-    for name, subkeys in types_raw.items():
-        if not isinstance(subkeys, list) or not all(isinstance(s, str) for s in subkeys):
-            raise _fail(file, f"rope.types.{name}", "expected a list of sub-key names")
-        types.append((name, tuple(subkeys)))
-    return RopeRule(float(theta), tuple(types))
+def _layer_kinds(value: Any) -> LayerKind | dict[str, str]:
+    if isinstance(value, str):
+        try:
+            return LayerKind(value)
+        except ValueError:
+            raise Invalid(f"unknown layer kind `{value}`") from None
+    if isinstance(value, dict) and set(value) == {"key"} and isinstance(value["key"], str):
+        return value
+    raise Invalid(f'a layer kind name, or {{ key = "<config key>" }}, got {value!r}')
+
+
+def _dim_source(value: Any) -> tuple[str, str | None]:
+    if isinstance(value, str):
+        return value, None
+    if (isinstance(value, dict) and "key" in value and set(value) <= {"key", "otherwise"}
+            and all(isinstance(v, str) for v in value.values())):
+        return value["key"], value.get("otherwise")
+    raise Invalid(f"a config key, or {{ key = ..., otherwise = ... }}, got {value!r}")
+
+
+class _Rope(Schema):
+    theta_default: Annotated[float, Field(gt=0)]
+    types: dict[str, list[str]]
+
+    @model_validator(mode="after")
+    def _names_default(self) -> _Rope:
+        if "default" not in self.types:
+            raise Invalid("name the `default` type too (plain rope, no sub-keys)", "types")
+        return self
+
+
+class _Map(Schema):
+    schema_: Literal[1] = Field(alias="schema")
+    arch: str
+    description: str = ""
+    model_types: list[str]
+    follow: str | None = None
+    outer: list[str] = []
+    layers: str
+    layer_kinds: Annotated[Any, BeforeValidator(_layer_kinds)]
+    dims: dict[str, Annotated[Any, BeforeValidator(_dim_source)]]
+    params: dict[str, str] = {}
+    keys: dict[str, Any] = {}
+    spellings: dict[str, str] = {}
+    rope: _Rope | None = None
 
 
 def load_config_map(path: str | Path) -> ConfigMap:
     """Load and validate one config map file."""
     from fuel.inputs import parse_toml, read_text
 
-    path = Path(path)
     file = str(path)
-
-    def fail(detail: str) -> ConfigMapError:
-        return _fail(file, "", detail)
-
-    raw = parse_toml(read_text(path, fail), fail)
-    allowed = {"schema", "arch", "description", "model_types", "follow", "outer", "layers",
-               "layer_kinds", "dims", "params", "keys", "spellings", "rope"}
-    for name in sorted(raw):
-        if name not in allowed:
-            raise _fail(file, name, "unknown key")
-    if raw.get("schema") != SCHEMA:
-        raise _fail(file, "schema", f"expected schema = {SCHEMA}, got {raw.get('schema')!r}")
-    for name in ("arch", "layers", "model_types", "layer_kinds", "dims"):
-        if name not in raw:
-            raise _fail(file, name, "missing required key")
-    model_types = _expect(file, "model_types", raw["model_types"], list)
-    layer_kind, layer_kinds_key = None, None
-    kinds = raw["layer_kinds"]
-    if isinstance(kinds, str):
-        try:
-            layer_kind = LayerKind(kinds)
-        except ValueError:
-            raise _fail(file, "layer_kinds", f"unknown layer kind `{kinds}`") from None
-    elif isinstance(kinds, dict) and set(kinds) == {"key"}:
-        layer_kinds_key = _expect(file, "layer_kinds.key", kinds["key"], str)
-    else:
-        raise _fail(file, "layer_kinds", "a layer kind name, or { key = \"<config key>\" }")
-    dims = []
-    for name, source in _expect(file, "dims", raw["dims"], dict).items():
-        if isinstance(source, str):
-            dims.append(DimSource(name, source, None))
-        elif isinstance(source, dict) and set(source) <= {"key", "otherwise"} and "key" in source:
-            dims.append(DimSource(name, _expect(file, f"dims.{name}.key", source["key"], str),
-                                  source.get("otherwise")))
-        else:
-            raise _fail(file, f"dims.{name}", "a config key, or { key = ..., otherwise = ... }")
-    params = tuple((k, _expect(file, f"params.{k}", v, str))
-                   for k, v in sorted(_expect(file, "params", raw.get("params", {}), dict).items()))
-    keys = tuple(_key_rule(file, k, v)
-                 for k, v in _expect(file, "keys", raw.get("keys", {}), dict).items())
-    rope = _rope_rule(file, raw["rope"]) if "rope" in raw else None
-    structural = {raw["layers"], "model_type", *(d.key for d in dims)}
-    if layer_kinds_key:
-        structural.add(layer_kinds_key)
-    if rope is not None:
+    fail = partial(ConfigMapError, file)
+    raw = validate(_Map, parse_toml(read_text(Path(path), partial(fail, "")), partial(fail, "")), fail)
+    dims = tuple(DimSource(name, key, otherwise) for name, (key, otherwise) in raw.dims.items())
+    keys = tuple(_key_rule(file, k, v) for k, v in raw.keys.items())
+    kinds_key = raw.layer_kinds["key"] if isinstance(raw.layer_kinds, dict) else None
+    structural = {raw.layers, "model_type", *(d.key for d in dims), *([kinds_key] if kinds_key else [])}
+    if raw.rope is not None:
         structural.update(_ROPE_KEYS)
     for rule in keys:
         if rule.key in structural:
-            raise _fail(file, f"keys.{rule.key}", "already read as the layer count, a layer kind "
-                                                  "source, a dim or the rope; classify a key once")
+            raise fail(f"keys.{rule.key}", "already read as the layer count, a layer kind "
+                                           "source, a dim or the rope; classify a key once")
     classified = structural | {rule.key for rule in keys}
-    spellings = []
-    for other, canonical in _expect(file, "spellings", raw.get("spellings", {}), dict).items():
-        _expect(file, f"spellings.{other}", canonical, str)
+    for other, canonical in raw.spellings.items():
         if canonical not in classified or canonical in _ROPE_KEYS:
-            raise _fail(file, f"spellings.{other}", f"`{canonical}` is not a key the map reads")
+            raise fail(f"spellings.{other}", f"`{canonical}` is not a key the map reads")
         if other in classified:
-            raise _fail(file, f"spellings.{other}", "is classified itself; a spelling names "
-                                                    "another key's setting")
-        spellings.append((other, canonical))
-    follow = raw.get("follow")
-    return ConfigMap(file, _expect(file, "arch", raw["arch"], str), raw.get("description", ""),
-                     tuple(model_types), follow,
-                     tuple(raw.get("outer", [])) if follow else (),
-                     _expect(file, "layers", raw["layers"], str), layer_kind, layer_kinds_key,
-                     tuple(dims), params, keys, tuple(spellings), rope)
+            raise fail(f"spellings.{other}", "is classified itself; a spelling names another key's setting")
+    rope = None if raw.rope is None else RopeRule(
+        raw.rope.theta_default, tuple((name, tuple(subs)) for name, subs in raw.rope.types.items()))
+    return ConfigMap(file, raw.arch, raw.description, tuple(raw.model_types), raw.follow,
+                     tuple(raw.outer) if raw.follow else (), raw.layers,
+                     None if kinds_key else raw.layer_kinds, kinds_key, dims,
+                     tuple(sorted(raw.params.items())), keys, tuple(raw.spellings.items()), rope)
 
 
 @cache

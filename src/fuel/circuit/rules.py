@@ -26,24 +26,30 @@ which make a rule set total. A rule that means "every linear" omits the role; it
 one.
 
 Loading (``load_rules``, ``parse_rules``) is the edge; everything else here is plain values.
+The file's schema is stated as pydantic models (``_File``, ``_Rule``, ... at the end; see
+:mod:`fuel.schema`); only the rule id is checked by hand, first, since it names the rule in
+every later error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from fuel.circuit.format import Format, FormatError
 from fuel.circuit.format import parse as parse_format
 from fuel.circuit.ir import LINEAR_ROLES, LayerKind, OpKind
 from fuel.circuit.runs import KernelId, RunLaunch, RunSelect, Times
 from fuel.errors import InputError
+from fuel.schema import Invalid, Schema, Text, validate
 
 SCHEMA = 1
 
@@ -271,298 +277,199 @@ def parse_rules(data: bytes | str, file: str = "<rules>") -> RuleSet:
     """Parse rule-file text into a :class:`RuleSet` (rules in file order)."""
     from fuel.inputs import decode_utf8, parse_toml
 
-    def fail(detail: str) -> RuleError:
-        return RuleError(file, None, None, detail)
+    def fail(key: str | None, detail: str) -> RuleError:
+        return RuleError(file, None, key, detail)
 
-    text = data if isinstance(data, str) else decode_utf8(data, fail)
-    doc = parse_toml(text, fail)
-    _only_keys(doc, {"schema", "rule"}, file, None, "")
-    if doc.get("schema") != SCHEMA:
-        raise RuleError(file, None, "schema", f"schema is {doc.get('schema')!r}; this build reads {SCHEMA}")
-    entries = doc.get("rule", [])
-    if not isinstance(entries, list):
-        raise RuleError(file, None, "rule", "expected an array of tables `[[rule]]`")
+    text = data if isinstance(data, str) else decode_utf8(data, lambda detail: fail(None, detail))
+    doc = validate(_File, parse_toml(text, lambda detail: fail(None, detail)), fail)
     rules: list[Rule] = []
     seen: set[str] = set()
-    for position, entry in enumerate(entries):
-        if not isinstance(entry, dict):
-            raise RuleError(file, None, f"rule[{position}]", "expected a table")
+    for position, entry in enumerate(doc.rule):
+        # The id names the rule in every later error, so it is checked first, by hand.
         rule_id = entry.get("id")
         if not isinstance(rule_id, str) or not rule_id.strip():
-            raise RuleError(file, None, f"rule[{position}].id", "every rule needs a non-empty string `id`")
+            raise fail(f"rule[{position}].id", f"every rule needs a non-empty string `id`, got {rule_id!r}")
         if rule_id in seen:
             raise RuleError(file, rule_id, "id", "duplicate rule id")
         seen.add(rule_id)
-        rules.append(_RuleReader(file, rule_id, entry).read())
+        rules.append(validate(_Rule, entry, partial(RuleError, file, rule_id)).rule())
     return RuleSet(tuple(rules), file, rules_digest(data))
 
 
-_RULE_KEYS = {"id", "pattern", "kernels", "repeat", "copies", "emitter", "rows", "modes", "requires",
-              "when", "numerics", "microtest", "lever", "priority", "cite", "run"}
-_ELEMENT_KEYS = {"op", "role", "roles", "format", "layer_kind", "local", "weight", "input", "writes",
-                 "keep", "sibling", "stored"}
-_RUN_KEYS = {"k", "n", "contiguous", "carried", "launches", "copies"}
+# --------------------------------------------------------------------------- the file's schema
+
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
-def _only_keys(table: Mapping[str, Any], allowed: set[str], file: str, rule: str | None,
-               prefix: str) -> None:
-    for key in table:  # reports the first unknown key in file order
-        if key not in allowed:
-            raise RuleError(file, rule, f"{prefix}{key}",
-                            f"unknown key (expected one of {', '.join(sorted(allowed))})")
-
-
-@dataclass
-class _RuleReader:
-    """Reads one ``[[rule]]`` table; every error names the file, this rule and the field."""
-
-    file: str
-    rule_id: str
-    entry: dict[str, Any]
-    _pattern: list[PatternElement] = field(default_factory=list)
-
-    def fail(self, field_name: str, detail: str) -> RuleError:
-        return RuleError(self.file, self.rule_id, field_name, detail)
-
-    def required(self, key: str, kind: type | tuple[type, ...], what: str) -> Any:
-        if key not in self.entry:
-            raise self.fail(key, f"missing (expected {what})")
-        return self.typed(key, self.entry[key], kind, what)
-
-    def typed(self, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
-        # bool is an int in Python; a `true` where a number belongs is still a type error.
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise self.fail(key, f"expected {what}, got {value!r}")
-        return value
-
-    def format(self, key: str, text: Any, edge: bool) -> Format:
-        self.typed(key, text, str, "a format name")
+def _format(edge: bool) -> AfterValidator:
+    def check(text: str) -> Format:
         try:
             parsed = parse_format(text)
         except FormatError as error:
-            raise self.fail(key, str(error)) from None
+            raise Invalid(str(error)) from None
         if edge and not parsed.edge_legal:
-            raise self.fail(key, f"`{text}` is a weight layout; an edge cannot be stored in it")
+            raise Invalid(f"`{text}` is a weight layout; an edge cannot be stored in it")
         return parsed
+    return AfterValidator(check)
 
-    def read(self) -> Rule:
-        _only_keys(self.entry, _RULE_KEYS, self.file, self.rule_id, "")
-        modes = self.modes()
-        rows = self.rows()
-        repeat = self.repeat("repeat", self.required("repeat", str, "a repeat"), allow_per_run=True)
-        copies = None
-        if "copies" in self.entry:
-            copies = self.repeat("copies", self.typed("copies", self.entry["copies"], str, "a repeat"),
-                                 allow_per_run=False)
-        pattern = self.pattern()
-        kernels = tuple(self.kernel(f"kernels[{i}]", k, {"module", "func"})[0]
-                        for i, k in enumerate(self.required("kernels", list, "an array of {module, func}")))
-        emitter = self.required("emitter", str, "an emitter id")
-        if not emitter.strip():
-            raise self.fail("emitter", "empty emitter id")
-        requires = self.required_list("requires")
-        when = self.when()
-        numerics = self.numerics()
-        priority = self.required("priority", int, "an integer")
-        cite = self.required("cite", str, "a sentence saying why this rule exists")
-        if not cite.strip():
-            raise self.fail("cite", "empty cite (say why this rule exists)")
-        runs = self.runs()
-        if (repeat.kind is RepeatKind.PER_RUN) != bool(runs):
-            if runs:
-                raise self.fail("run", "run selectors need `repeat = \"per_run\"`")
-            raise self.fail("repeat", "`per_run` needs at least one `[[rule.run]]` selector")
-        if runs and modes != frozenset({Mode.VERIFY_BATCH}):
-            raise self.fail("modes", "a rule with run selectors serves only `verify_batch` "
-                                     "(a row table exists only there)")
-        if runs and copies is not None:
-            raise self.fail("copies", "a per-run rule states copies per selector")
-        return Rule(id=self.rule_id, pattern=pattern, kernels=kernels, repeat=repeat, emitter=emitter,
-                    rows=rows, modes=modes, numerics=numerics, priority=priority, cite=cite,
-                    copies=copies, requires=frozenset(requires), when=when, runs=runs)
 
-    def modes(self) -> frozenset[Mode]:
-        names = self.required("modes", list, "a list of modes")
-        if not names:
-            raise self.fail("modes", "empty modes (the rule would never apply)")
-        modes = set()
-        for name in names:
-            mode = Mode.parse(name) if isinstance(name, str) else None
-            if mode is None:
-                raise self.fail("modes", f"unknown mode {name!r} (expected one of "
-                                         f"{', '.join(m.value for m in Mode)})")
-            modes.add(mode)
-        return frozenset(modes)
-
-    def rows(self) -> tuple[int, int]:
-        rows = self.required("rows", list, "[lo, hi]")
-        if (len(rows) != 2 or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
-                or not 1 <= rows[0] <= rows[1]):
-            raise self.fail("rows", f"rows must be [lo, hi] with 1 <= lo <= hi, got {rows!r}")
-        return rows[0], rows[1]
-
-    def repeat(self, key: str, text: str, allow_per_run: bool) -> Repeat:
+def _repeat(per_run: bool) -> AfterValidator:
+    def check(text: str) -> Repeat:
         parsed = Repeat.parse(text)
-        if parsed is None or (parsed.kind is RepeatKind.PER_RUN and not allow_per_run):
-            choices = "once | per_row | chunk<n> | per_row_but_last" + (" | per_run" if allow_per_run else "")
-            raise self.fail(key, f"unknown repeat `{text}` (expected {choices})")
+        if parsed is None or (parsed.kind is RepeatKind.PER_RUN and not per_run):
+            choices = "once | per_row | chunk<n> | per_row_but_last" + (" | per_run" if per_run else "")
+            raise Invalid(f"unknown repeat `{text}` (expected {choices})")
         return parsed
+    return AfterValidator(check)
 
-    def required_list(self, key: str) -> list[str]:
-        values = self.typed(key, self.entry.get(key, []), list, "a list of names")
-        for value in values:
-            if not isinstance(value, str) or not value.strip():
-                raise self.fail(key, f"expected non-empty names, got {value!r}")
-        return values
 
-    def when(self) -> tuple[tuple[str, str], ...]:
-        table = self.typed("when", self.entry.get("when", {}), dict, "a table of setting = value")
-        for key, value in table.items():
-            if not isinstance(value, str):
-                raise self.fail(f"when.{key}", f"expected a string value, got {value!r}")
-        return tuple(sorted(table.items()))
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise Invalid(f"expected a dotted identifier, got {value!r}")
+    return value
 
-    def numerics(self) -> Numerics:
-        text = self.required("numerics", str, "reference | bit_identical | differs")
-        microtest = self.entry.get("microtest")
-        lever = self.entry.get("lever")
-        for key, value in (("microtest", microtest), ("lever", lever)):
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise self.fail(key, f"expected a non-empty name, got {value!r}")
-        match text:
-            case "reference":
-                if microtest is not None:
-                    raise self.fail("microtest", "a `reference` rule takes no microtest")
-                if lever is not None:
-                    raise self.fail("lever", "a `reference` rule takes no lever")
-                return REFERENCE
-            case "bit_identical":
-                if lever is not None:
-                    raise self.fail("lever", "a `bit_identical` rule takes no lever")
-                if microtest is None:
-                    raise self.fail("microtest", "a `bit_identical` rule must name the microtest "
-                                                 "that proves it")
-                return Numerics(NumericsClass.BIT_IDENTICAL, microtest=microtest)
-            case "differs":
-                if microtest is not None:
-                    raise self.fail("microtest", "a `differs` rule takes no microtest")
-                if lever is None:
-                    raise self.fail("lever", "a `differs` rule must name its opt-in lever")
-                return Numerics(NumericsClass.DIFFERS, lever=lever)
-        raise self.fail("numerics", f"unknown numerics class `{text}` "
-                                    "(expected reference | bit_identical | differs)")
 
-    def kernel(self, key: str, table: Any, allowed: set[str]) -> tuple[KernelId, dict[str, Any]]:
-        self.typed(key, table, dict, "a table {module, func}")
-        _only_keys(table, allowed, self.file, self.rule_id, f"{key}.")
-        parts = []
-        for part in ("module", "func"):
-            value = table.get(part)
-            if not isinstance(value, str) or not _NAME.match(value):
-                raise self.fail(f"{key}.{part}", f"expected a dotted identifier, got {value!r}")
-            parts.append(value)
-        return KernelId(parts[0], parts[1]), table
+def _range(value: Any) -> tuple[int, int]:
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            or not 1 <= value[0] <= value[1]):
+        raise Invalid(f"expected [lo, hi] with 1 <= lo <= hi, got {value!r}")
+    return value[0], value[1]
 
-    def pattern(self) -> tuple[PatternElement, ...]:
-        elements = self.required("pattern", list, "an array of pattern elements")
-        if not elements:
-            raise self.fail("pattern", "empty pattern")
-        out = []
-        for i, element in enumerate(elements):
-            out.append(self.element(f"pattern[{i}]", element))
-        if out[0].sibling:
-            raise self.fail("pattern[0].sibling", "the first pattern element cannot be a sibling")
-        return tuple(out)
 
-    def element(self, key: str, table: Any) -> PatternElement:
-        self.typed(key, table, dict, "a table")
-        _only_keys(table, _ELEMENT_KEYS, self.file, self.rule_id, f"{key}.")
-        op_text = table.get("op")
-        op = next((o for o in OpKind if o.value == op_text), None)
-        if op is None:
-            raise self.fail(f"{key}.op", f"unknown op {op_text!r}")
-        if "role" in table and "roles" in table:
-            raise self.fail(f"{key}.roles", "give `role` or `roles`, not both")
-        roles: set[str] = set()
-        for role_key in ("role", "roles"):
-            if role_key not in table:
-                continue
-            if op is not OpKind.LINEAR:
-                raise self.fail(f"{key}.{role_key}", f"only a linear has a role, not `{op.value}`")
-            values = table[role_key] if role_key == "roles" else [table[role_key]]
-            if not isinstance(values, list) or not values:
-                raise self.fail(f"{key}.{role_key}", "expected a non-empty list of roles")
-            for role in values:
-                if not isinstance(role, str) or not _NAME.match(role):
-                    raise self.fail(f"{key}.{role_key}", f"malformed role {role!r}")
-                if role not in LINEAR_ROLES:
-                    raise self.fail(f"{key}.{role_key}", f"unknown role {role!r} (one of "
-                                    f"{', '.join(sorted(LINEAR_ROLES))}): it would never match")
-                roles.add(role)
-        fmt = None
-        if "format" in table:
-            if op is not OpKind.ACT_QUANT:
-                raise self.fail(f"{key}.format", f"only an act_quant has a format, not `{op.value}`")
-            fmt = self.format(f"{key}.format", table["format"], edge=True)
-        layer_kind = None
-        if "layer_kind" in table:
-            text = table["layer_kind"]
-            layer_kind = next((k for k in LayerKind if k.value == text), None)
-            if layer_kind is None:
-                raise self.fail(f"{key}.layer_kind", f"unknown layer kind {text!r}")
-        local = table.get("local")
-        if local is not None:
-            self.typed(f"{key}.local", local, str, "a template-local node id")
-        flags = {}
-        for flag in ("keep", "sibling", "stored"):
-            flags[flag] = self.typed(f"{key}.{flag}", table.get(flag, False), bool, "true or false")
+def _role(role: str) -> str:
+    if role not in LINEAR_ROLES:
+        raise Invalid(f"unknown role {role!r} (one of {', '.join(sorted(LINEAR_ROLES))}): "
+                      "it would never match")
+    return role
+
+
+def _enum(kind: type[Enum]) -> Any:
+    return Annotated[kind, Field(strict=False)]
+
+
+_Required = Field(default=None, validate_default=True)  # a missing value gets the check's message
+Name = Annotated[str, BeforeValidator(_name)]
+Range = Annotated[tuple[int, int], BeforeValidator(_range)]
+Role = Annotated[str, AfterValidator(_role)]
+EdgeFormat = Annotated[str, _format(edge=True)]
+
+
+class _File(Schema):
+    schema_: Literal[1] = Field(alias="schema")
+    rule: list[dict[str, Any]] = []
+
+
+class _Kernel(Schema):
+    module: Name = _Required
+    func: Name = _Required
+
+
+class _Launch(_Kernel):
+    times: _enum(Times) = _Required
+
+
+class _Run(Schema):
+    k: Range = _Required
+    n: Range = _Required
+    contiguous: bool | None = None
+    carried: bool | None = None
+    launches: Annotated[list[_Launch], Field(min_length=1)]
+    copies: _enum(Times) | None = None
+
+    def select(self) -> RunSelect:
+        launches = tuple(RunLaunch(KernelId(a.module, a.func), a.times) for a in self.launches)
+        return RunSelect(self.k, self.n, self.contiguous, self.carried, launches, self.copies)
+
+
+class _Element(Schema):
+    op: _enum(OpKind)
+    role: Role | None = None
+    roles: Annotated[list[Role], Field(min_length=1)] | None = None
+    format: EdgeFormat | None = None
+    layer_kind: _enum(LayerKind) | None = None
+    local: str | None = None
+    weight: Annotated[str, _format(edge=False)] | None = None
+    input: EdgeFormat | None = None
+    writes: EdgeFormat | None = None
+    keep: bool = False
+    sibling: bool = False
+    stored: bool = False
+
+    @model_validator(mode="after")
+    def _placed(self) -> _Element:
+        if self.role is not None and self.roles is not None:
+            raise Invalid("give `role` or `roles`, not both", "roles")
+        for key in ("role", "roles"):
+            if getattr(self, key) is not None and self.op is not OpKind.LINEAR:
+                raise Invalid(f"only a linear has a role, not `{self.op.value}`", key)
+        if self.format is not None and self.op is not OpKind.ACT_QUANT:
+            raise Invalid(f"only an act_quant has a format, not `{self.op.value}`", "format")
+        return self
+
+    def element(self) -> PatternElement:
+        roles = frozenset(self.roles or ([self.role] if self.role else []))
         return PatternElement(
-            op=op, roles=frozenset(roles), format=fmt, layer_kind=layer_kind, local=local,
-            weight=self.format(f"{key}.weight", table["weight"], edge=False) if "weight" in table else None,
-            input=self.format(f"{key}.input", table["input"], edge=True) if "input" in table else None,
-            writes=self.format(f"{key}.writes", table["writes"], edge=True) if "writes" in table else None,
-            **flags)
+            op=self.op, roles=roles, format=self.format, layer_kind=self.layer_kind,
+            local=self.local, weight=self.weight, input=self.input, writes=self.writes,
+            keep=self.keep, sibling=self.sibling, stored=self.stored)
 
-    def runs(self) -> tuple[RunSelect, ...]:
-        selectors = self.typed("run", self.entry.get("run", []), list, "an array of `[[rule.run]]` tables")
-        out = []
-        for i, table in enumerate(selectors):
-            key = f"run[{i}]"
-            self.typed(key, table, dict, "a table")
-            _only_keys(table, _RUN_KEYS, self.file, self.rule_id, f"{key}.")
-            ranges = []
-            for axis in ("k", "n"):
-                value = table.get(axis)
-                if (not isinstance(value, list) or len(value) != 2
-                        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-                        or not 1 <= value[0] <= value[1]):
-                    raise self.fail(f"{key}.{axis}", f"expected [lo, hi] with 1 <= lo <= hi, got {value!r}")
-                ranges.append((value[0], value[1]))
-            conditions = []
-            for flag in ("contiguous", "carried"):
-                value = table.get(flag)
-                if value is not None:
-                    self.typed(f"{key}.{flag}", value, bool, "true or false")
-                conditions.append(value)
-            launches_table = table.get("launches")
-            if not isinstance(launches_table, list) or not launches_table:
-                raise self.fail(f"{key}.launches", "expected a non-empty array of {module, func, times}")
-            launches = []
-            for j, launch in enumerate(launches_table):
-                lkey = f"{key}.launches[{j}]"
-                kernel, raw = self.kernel(lkey, launch, {"module", "func", "times"})
-                launches.append(RunLaunch(kernel, self.times(f"{lkey}.times", raw.get("times"))))
-            copies = self.times(f"{key}.copies", table["copies"]) if "copies" in table else None
-            out.append(RunSelect(ranges[0], ranges[1], conditions[0], conditions[1], tuple(launches), copies))
-        return tuple(out)
 
-    def times(self, key: str, text: Any) -> Times:
-        times = next((t for t in Times if t.value == text), None)
-        if times is None:
-            raise self.fail(key, f"unknown times {text!r} (expected once | per_seq | per_row | "
-                                 "per_seq_row_but_last)")
-        return times
+class _Rule(Schema):
+    """One ``[[rule]]`` table. Fields are in the order a file is checked: with several
+    faults, the first one here is reported."""
+
+    id: str
+    modes: Annotated[list[_enum(Mode)], Field(min_length=1)]
+    rows: Range
+    repeat: Annotated[str, _repeat(per_run=True)]
+    copies: Annotated[str, _repeat(per_run=False)] | None = None
+    pattern: Annotated[list[_Element], Field(min_length=1)]
+    kernels: list[_Kernel]
+    emitter: Text
+    requires: list[Text] = []
+    when: dict[str, str] = {}
+    numerics: Literal["reference", "bit_identical", "differs"]
+    microtest: Text | None = None
+    lever: Text | None = None
+    priority: int
+    cite: Text
+    run: list[_Run] = []
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _Rule:
+        if self.pattern[0].sibling:
+            raise Invalid("the first pattern element cannot be a sibling", "pattern[0].sibling")
+        needs = {"bit_identical": "microtest", "differs": "lever"}.get(self.numerics)
+        for key in ("microtest", "lever"):
+            if getattr(self, key) is not None and key != needs:
+                raise Invalid(f"a `{self.numerics}` rule takes no {key}", key)
+        if needs and getattr(self, needs) is None:
+            what = "name the microtest that proves it" if needs == "microtest" else "name its opt-in lever"
+            raise Invalid(f"a `{self.numerics}` rule must {what}", needs)
+        per_run = self.repeat.kind is RepeatKind.PER_RUN
+        if per_run != bool(self.run):
+            if self.run:
+                raise Invalid('run selectors need `repeat = "per_run"`', "run")
+            raise Invalid("`per_run` needs at least one `[[rule.run]]` selector", "repeat")
+        if self.run and set(self.modes) != {Mode.VERIFY_BATCH}:
+            raise Invalid("a rule with run selectors serves only `verify_batch` "
+                          "(a row table exists only there)", "modes")
+        if self.run and self.copies is not None:
+            raise Invalid("a per-run rule states copies per selector", "copies")
+        return self
+
+    def rule(self) -> Rule:
+        kind = NumericsClass(self.numerics)
+        return Rule(
+            id=self.id, pattern=tuple(e.element() for e in self.pattern),
+            kernels=tuple(KernelId(k.module, k.func) for k in self.kernels), repeat=self.repeat,
+            emitter=self.emitter, rows=self.rows, modes=frozenset(self.modes),
+            numerics=REFERENCE if kind is NumericsClass.REFERENCE else Numerics(
+                kind, microtest=self.microtest, lever=self.lever),
+            priority=self.priority, cite=self.cite, copies=self.copies,
+            requires=frozenset(self.requires), when=tuple(sorted(self.when.items())),
+            runs=tuple(r.select() for r in self.run))
 
 
 def rules_from(rules: RuleSet | Sequence[Rule]) -> tuple[Rule, ...]:

@@ -42,7 +42,9 @@ File layout (``schema = 1``; unknown keys are refused at every level)::
     binding = ["{L}.self_attn.q_proj.weight"]
     params = { heads = "{q_heads}" }
 
-A block library holds only ``schema``, ``description`` and ``[block.*]`` tables.
+A block library holds only ``schema``, ``description`` and ``[block.*]`` tables. Each table's
+format is a pydantic model (``_Circuit``, ``_Block``, ``_Node``...; :mod:`fuel.schema`); what
+spans tables or files (includes, duplicate and unused blocks, references) is checked by hand.
 
 Invariants of a loaded template:
 - Every op is one of the closed set; ``role`` appears exactly on linear nodes, ``format``
@@ -56,16 +58,20 @@ Invariants of a loaded template:
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AfterValidator, Field, ValidationInfo, model_validator
 
 from fuel.circuit.dims import DimError, DimExpr, parse_dim, parse_shape
 from fuel.circuit.format import Format, FormatError, parse as parse_format
 from fuel.circuit.ir import WEIGHT_OPS, LayerKind, Op, OpKind
 from fuel.errors import InputError
+from fuel.schema import Invalid, Schema, validate
+
+M = TypeVar("M", bound=Schema)
 
 SCHEMA = 1
 
@@ -175,285 +181,196 @@ class CircuitTemplate:
         return None
 
 
-# --------------------------------------------------------------------------- reading helpers
+# --------------------------------------------------------------------------- the file's schema
+# One pydantic model per table (fuel.schema): types, unknown keys, closed choices and the checks
+# within one table. What spans tables or files (includes, duplicate blocks, references, unused
+# blocks) is checked by hand below, on the loaded values.
 
 
-class _Reader:
-    """Typed access to one TOML table, refusing unknown keys. Errors name file and dotted key."""
-
-    def __init__(self, file: str, table: dict[str, Any], prefix: str):
-        self.file = file
-        self.table = table
-        self.prefix = prefix
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}.{name}" if self.prefix else name
-
-    def fail(self, name: str | None, detail: str) -> CircuitLoadError:
-        return CircuitLoadError(self.file, self.key(name) if name else (self.prefix or None), detail)
-
-    def refuse_unknown(self, allowed: set[str]) -> None:
-        for name in sorted(self.table):
-            if name not in allowed:
-                raise self.fail(name, f"unknown key (allowed: {', '.join(sorted(allowed))})")
-
-    def get(self, name: str, kind: type | tuple[type, ...], *, required: bool = False) -> Any:
-        if name not in self.table:
-            if required:
-                raise self.fail(name, "missing required key")
-            return None
-        value = self.table[name]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            raise self.fail(name, f"expected {expected}, got {type(value).__name__} `{value!r}`")
-        return value
-
-    def str_list(self, name: str, *, required: bool = False) -> tuple[str, ...]:
-        value = self.get(name, list, required=required)
-        if value is None:
-            return ()
-        for i, item in enumerate(value):
-            if not isinstance(item, str):
-                raise self.fail(f"{name}[{i}]", f"expected a string, got `{item!r}`")
-        return tuple(value)
-
-    def sub(self, name: str, *, required: bool = False) -> _Reader | None:
-        table = self.get(name, dict, required=required)
-        return None if table is None else _Reader(self.file, table, self.key(name))
+def _edge_format(text: str) -> Format:
+    try:
+        fmt = parse_format(text)
+    except FormatError as error:
+        raise Invalid(str(error)) from None
+    if not fmt.edge_legal:
+        raise Invalid(f"`{text}` is a weight-only layout and cannot be stored on an edge")
+    return fmt
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _shape(text: str, info: ValidationInfo) -> tuple[DimExpr, DimExpr]:
+    try:
+        return parse_shape(text, info.context["dims"])
+    except DimError as error:
+        raise Invalid(error.reason) from None
+
+
+def _dim_name(name: str) -> str:
+    try:
+        parse_dim(name)
+    except DimError:
+        raise Invalid(f"`{name}` is not a dim name") from None
+    if name == "n":
+        raise Invalid("`n` is the step's rows and always declared")
+    return name
+
+
+EdgeFormat = Annotated[str, AfterValidator(_edge_format)]
+
+
+class _Out(Schema):
+    edge: str
+    format: EdgeFormat
+    shape: Annotated[str, AfterValidator(_shape)]
+
+
+class _Node(Schema):
+    id: str
+    op: Annotated[OpKind, Field(strict=False)]
+    role: str | None = None
+    format: EdgeFormat | None = None
+    in_: list[str] = Field(default=[], alias="in")
+    out: list[_Out] = []
+    binding: list[str] = []
+    params: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _fits_the_op(self) -> _Node:
+        op = self.op.value
+        if self.op is OpKind.LINEAR and not self.role:
+            raise Invalid("a linear node needs a role (q, k, v, o, gate_up, ...)", "role")
+        if self.op is not OpKind.LINEAR and self.role is not None:
+            raise Invalid(f"only linear nodes take a role, not `{op}`", "role")
+        if self.op is OpKind.ACT_QUANT and self.format is None:
+            raise Invalid("an act_quant node needs the format it quantizes to", "format")
+        if self.op is not OpKind.ACT_QUANT and self.format is not None:
+            raise Invalid(f"only act_quant nodes take a format, not `{op}`", "format")
+        if self.op in WEIGHT_OPS and not self.binding:
+            raise Invalid(f"`{op}` reads weights and needs a binding", "binding")
+        return self
+
+    def template(self, key: str) -> NodeTemplate:
+        outputs = tuple(OutTemplate(o.edge, o.format, *o.shape) for o in self.out)
+        return NodeTemplate(self.id, Op(self.op, self.role, self.format), tuple(self.in_), outputs,
+                            tuple(self.binding), tuple(sorted(self.params.items())), key)
+
+
+class _Block(Schema):
+    stream_in: str | None = None
+    stream_out: str | None = None
+    outputs: list[str] = []
+    node: Annotated[list[_Node], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _streams_are_produced(self) -> _Block:
+        produced = {out.edge for node in self.node for out in node.out}
+        if self.stream_out is not None and self.stream_out not in produced:
+            raise Invalid(f"`{self.stream_out}` is not an edge this block produces", "stream_out")
+        for i, edge in enumerate(self.outputs):
+            if edge not in produced:
+                raise Invalid(f"`{edge}` is not an edge this block produces", f"outputs[{i}]")
+        return self
+
+    def template(self, name: str, file: str) -> BlockTemplate:
+        nodes = tuple(n.template(f"block.{name}.node[{i}]") for i, n in enumerate(self.node))
+        return BlockTemplate(name, self.stream_in, self.stream_out, tuple(self.outputs), nodes, file)
+
+
+class _Layout(Schema):
+    kind: Annotated[LayoutKind, Field(strict=False)]
+    period: Annotated[int, Field(ge=1)] | None = None
+    other: Annotated[LayerKind, Field(strict=False)] | None = None
+    blocks: Annotated[dict[Annotated[LayerKind, Field(strict=False)], list[str]], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _fits_the_kind(self) -> _Layout:
+        if self.kind is LayoutKind.LIST:
+            for key in ("period", "other"):
+                if getattr(self, key) is not None:
+                    raise Invalid("only an interval layout takes this key", key)
+        elif self.period is None:
+            raise Invalid("missing (an interval layout needs its period)", "period")
+        elif self.period > 1 and self.other is None:
+            raise Invalid("an interval layout with period > 1 needs the other layers' kind", "other")
+        return self
+
+    def layout(self) -> Layout:
+        return Layout(self.kind, self.period or 1, self.other,
+                      tuple((kind, tuple(names)) for kind, names in self.blocks.items()))
+
+
+class _Variant(Schema):
+    param: str
+    cases: Annotated[dict[str, str], Field(min_length=1)]
+
+
+class _Library(Schema):
+    """A block library: ``schema``, ``description`` and at least one ``[block.*]``."""
+
+    schema_: Literal[1] = Field(alias="schema")
+    description: str = ""
+    block: Annotated[dict[str, _Block], Field(min_length=1)]
+
+
+class _Circuit(Schema):
+    schema_: Literal[1] = Field(alias="schema")
+    arch: str
+    description: str = ""
+    dims: list[Annotated[str, AfterValidator(_dim_name)]]
+    include: list[str] = []
+    prologue: list[str] = []
+    epilogue: list[str] = []
+    draft: list[str] = []
+    layer_module: str | None = None
+    draft_module: str | None = None
+    layout: _Layout
+    variant: dict[str, _Variant] = {}
+    block: dict[str, _Block] = {}
+
+
+def _load(model: type[M], path: Path, dims: Any) -> M:
+    """``path``'s TOML as ``model``; shapes are checked against ``dims`` (names)."""
     from fuel.inputs import parse_toml, read_text
 
-    def fail(detail: str) -> CircuitLoadError:
-        return CircuitLoadError(str(path), None, detail)
+    def fail(key: str | None, detail: str) -> CircuitLoadError:
+        return CircuitLoadError(str(path), key, detail)
 
-    return parse_toml(read_text(path, fail), fail)
-
-
-# --------------------------------------------------------------------------- blocks
-
-
-def _parse_out(reader: _Reader, index: int, raw: Any, dims: frozenset[str]) -> OutTemplate:
-    key = f"out[{index}]"
-    if not isinstance(raw, dict):
-        raise reader.fail(key, f"expected a table {{edge, format, shape}}, got `{raw!r}`")
-    out = _Reader(reader.file, raw, reader.key(key))
-    out.refuse_unknown({"edge", "format", "shape"})
-    edge = out.get("edge", str, required=True)
-    format_name = out.get("format", str, required=True)
-    try:
-        fmt = parse_format(format_name)
-    except FormatError as error:
-        raise out.fail("format", str(error)) from None
-    if not fmt.edge_legal:
-        raise out.fail("format", f"`{format_name}` is a weight-only layout and cannot be stored "
-                                 "on an edge")
-    shape = out.get("shape", str, required=True)
-    try:
-        rows, dim = parse_shape(shape, dims)
-    except DimError as error:
-        raise out.fail("shape", error.reason) from None
-    return OutTemplate(edge, fmt, rows, dim)
-
-
-def _parse_node(block: _Reader, index: int, raw: Any, dims: frozenset[str]) -> NodeTemplate:
-    key = block.key(f"node[{index}]")
-    if not isinstance(raw, dict):
-        raise CircuitLoadError(block.file, key, "expected a table")
-    node = _Reader(block.file, raw, key)
-    node.refuse_unknown({"id", "op", "role", "format", "in", "out", "binding", "params"})
-    local = node.get("id", str, required=True)
-    op_name = node.get("op", str, required=True)
-    try:
-        kind = OpKind(op_name)
-    except ValueError:
-        raise node.fail("op", f"unknown op `{op_name}` (the op set is closed: "
-                              f"{', '.join(k.value for k in OpKind)})") from None
-    role = node.get("role", str)
-    format_name = node.get("format", str)
-    if kind is OpKind.LINEAR and not role:
-        raise node.fail("role", "a linear node needs a role (q, k, v, o, gate_up, ...)")
-    if kind is not OpKind.LINEAR and role is not None:
-        raise node.fail("role", f"only linear nodes take a role, not `{op_name}`")
-    fmt = None
-    if kind is OpKind.ACT_QUANT:
-        if format_name is None:
-            raise node.fail("format", "an act_quant node needs the format it quantizes to")
-        try:
-            fmt = parse_format(format_name)
-        except FormatError as error:
-            raise node.fail("format", str(error)) from None
-        if not fmt.edge_legal:
-            raise node.fail("format", f"`{format_name}` is a weight-only layout")
-    elif format_name is not None:
-        raise node.fail("format", f"only act_quant nodes take a format, not `{op_name}`")
-    raw_outs = node.get("out", list) or []
-    outputs = tuple(_parse_out(node, i, item, dims) for i, item in enumerate(raw_outs))
-    bindings = node.str_list("binding")
-    if kind in WEIGHT_OPS and not bindings:
-        raise node.fail("binding", f"`{op_name}` reads weights and needs a binding")
-    params_table = node.get("params", dict) or {}
-    params = []
-    for name in sorted(params_table):
-        value = params_table[name]
-        if not isinstance(value, str):
-            raise node.fail(f"params.{name}", f"params are strings, got `{value!r}`")
-        params.append((name, value))
-    return NodeTemplate(local, Op(kind, role, fmt), node.str_list("in"), outputs, bindings,
-                        tuple(params), key)
-
-
-def _parse_blocks(root: _Reader, dims: frozenset[str]) -> list[BlockTemplate]:
-    table = root.sub("block")
-    if table is None:
-        return []
-    blocks = []
-    for name in table.table:
-        block = table.sub(name)
-        assert block is not None
-        if not isinstance(block.table, dict):
-            raise block.fail(None, "expected a table")
-        block.refuse_unknown({"stream_in", "stream_out", "outputs", "node"})
-        raw_nodes = block.get("node", list, required=True)
-        if not raw_nodes:
-            raise block.fail("node", "a block needs at least one node")
-        nodes = tuple(_parse_node(block, i, raw, dims) for i, raw in enumerate(raw_nodes))
-        produced = {out.edge for node in nodes for out in node.outputs}
-        stream_in, stream_out = block.get("stream_in", str), block.get("stream_out", str)
-        if stream_out is not None and stream_out not in produced:
-            raise block.fail("stream_out", f"`{stream_out}` is not an edge this block produces")
-        outputs = block.str_list("outputs")
-        for i, edge in enumerate(outputs):
-            if edge not in produced:
-                raise block.fail(f"outputs[{i}]", f"`{edge}` is not an edge this block produces")
-        blocks.append(BlockTemplate(name, stream_in, stream_out, outputs, nodes, block.file))
-    return blocks
-
-
-# --------------------------------------------------------------------------- circuit file
-
-
-def _layer_kind(reader: _Reader, key: str, value: str) -> LayerKind:
-    try:
-        return LayerKind(value)
-    except ValueError:
-        raise reader.fail(key, f"unknown layer kind `{value}` (one of "
-                               f"{', '.join(k.value for k in LayerKind)})") from None
-
-
-def _parse_layout(root: _Reader) -> Layout:
-    layout = root.sub("layout", required=True)
-    assert layout is not None
-    layout.refuse_unknown({"kind", "period", "other", "blocks"})
-    kind_name = layout.get("kind", str, required=True)
-    try:
-        kind = LayoutKind(kind_name)
-    except ValueError:
-        raise layout.fail("kind", f"unknown layout kind `{kind_name}` (interval or list)") from None
-    period = 1
-    other = None
-    if kind is LayoutKind.INTERVAL:
-        period = layout.get("period", int, required=True)
-        if period < 1:
-            raise layout.fail("period", f"the period must be at least 1, got {period}")
-        other_name = layout.get("other", str)
-        if period > 1 and other_name is None:
-            raise layout.fail("other", "an interval layout with period > 1 needs the other layers' kind")
-        other = _layer_kind(layout, "other", other_name) if other_name else None
-    else:
-        for name in ("period", "other"):
-            if name in layout.table:
-                raise layout.fail(name, "only an interval layout takes this key")
-    blocks_reader = layout.sub("blocks", required=True)
-    assert blocks_reader is not None
-    blocks = []
-    for name in blocks_reader.table:
-        blocks.append((_layer_kind(blocks_reader, name, name), blocks_reader.str_list(name)))
-    if not blocks:
-        raise blocks_reader.fail(None, "map at least one layer kind to its blocks")
-    return Layout(kind, period, other, tuple(blocks))
-
-
-def _parse_variants(root: _Reader) -> list[Variant]:
-    table = root.sub("variant")
-    if table is None:
-        return []
-    variants = []
-    for slot in table.table:
-        v = table.sub(slot)
-        assert v is not None
-        v.refuse_unknown({"param", "cases"})
-        param = v.get("param", str, required=True)
-        cases_reader = v.sub("cases", required=True)
-        assert cases_reader is not None
-        cases = []
-        for case in cases_reader.table:
-            cases.append((case, cases_reader.get(case, str, required=True)))
-        if not cases:
-            raise cases_reader.fail(None, "a variant needs at least one case")
-        variants.append(Variant(slot, param, tuple(cases)))
-    return variants
+    raw = parse_toml(read_text(path, lambda detail: fail(None, detail)), lambda detail: fail(None, detail))
+    if dims is None:  # a circuit file declares its own dims; a wrong list fails on `dims` first
+        listed = raw.get("dims")
+        dims = frozenset(d for d in listed if isinstance(d, str)) if isinstance(listed, list) else frozenset()
+    return validate(model, raw, fail, context={"dims": dims})
 
 
 def load_library(path: Path, dims: frozenset[str]) -> list[BlockTemplate]:
     """Load a block library: ``schema``, ``description`` and ``[block.*]`` only."""
-    root = _Reader(str(path), _read_toml(path), "")
-    root.refuse_unknown({"schema", "description", "block"})
-    _check_schema(root)
-    blocks = _parse_blocks(root, dims)
-    if not blocks:
-        raise root.fail("block", "a block library needs at least one block")
-    return blocks
-
-
-def _check_schema(root: _Reader) -> None:
-    schema = root.get("schema", int, required=True)
-    if schema != SCHEMA:
-        raise root.fail("schema", f"unsupported schema {schema} (this fuel reads schema {SCHEMA})")
+    library = _load(_Library, path, dims)
+    return [block.template(name, str(path)) for name, block in library.block.items()]
 
 
 def load_circuit(path: str | Path) -> CircuitTemplate:
     """Load and validate a circuit file and its included block libraries."""
     path = Path(path)
-    root = _Reader(str(path), _read_toml(path), "")
-    root.refuse_unknown({"schema", "arch", "description", "dims", "include", "prologue", "epilogue",
-                         "draft", "layer_module", "draft_module", "layout", "variant", "block"})
-    _check_schema(root)
-    arch = root.get("arch", str, required=True)
-    description = root.get("description", str) or ""
-    dim_names = root.str_list("dims", required=True)
-    for i, name in enumerate(dim_names):
-        try:
-            parse_dim(name)
-        except DimError:
-            raise root.fail(f"dims[{i}]", f"`{name}` is not a dim name") from None
-        if name == "n":
-            raise root.fail(f"dims[{i}]", "`n` is the step's rows and always declared")
-    dims = frozenset(dim_names)
-
+    root = _load(_Circuit, path, None)
+    dims = frozenset(root.dims)
     blocks: list[BlockTemplate] = []
-    for i, name in enumerate(root.str_list("include")):
+    for i, name in enumerate(root.include):
         library = path.parent / f"{name}.toml"
         if not library.is_file():
-            raise root.fail(f"include[{i}]", f"no block library `{name}` (looked for {library})")
+            raise CircuitLoadError(str(path), f"include[{i}]", f"no block library `{name}` (looked for {library})")
         blocks.extend(load_library(library, dims))
-    blocks.extend(_parse_blocks(root, dims))
+    blocks.extend(block.template(name, str(path)) for name, block in root.block.items())
     seen: dict[str, str] = {}
     for b in blocks:
         if b.name in seen:
             raise CircuitLoadError(b.file, f"block.{b.name}",
                                    f"block `{b.name}` is already defined in {seen[b.name]}")
         seen[b.name] = b.file
-
-    layout = _parse_layout(root)
-    variants = _parse_variants(root)
     template = CircuitTemplate(
-        file=str(path), arch=arch, description=description, dims=dims,
-        prologue=root.str_list("prologue"), epilogue=root.str_list("epilogue"),
-        draft=root.str_list("draft"),
-        layer_module=root.get("layer_module", str), draft_module=root.get("draft_module", str),
-        layout=layout, variants=tuple(variants), blocks=tuple(blocks),
+        file=str(path), arch=root.arch, description=root.description, dims=dims,
+        prologue=tuple(root.prologue), epilogue=tuple(root.epilogue), draft=tuple(root.draft),
+        layer_module=root.layer_module, draft_module=root.draft_module, layout=root.layout.layout(),
+        variants=tuple(Variant(slot, v.param, tuple(v.cases.items())) for slot, v in root.variant.items()),
+        blocks=tuple(blocks),
     )
     _check_references(template)
     return template

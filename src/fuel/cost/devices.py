@@ -3,7 +3,7 @@
 Decided here: the file format (``schema = 1``; unknown keys refused; every number needs its
 source) and the lookup ``device(name)``. The ``cpu-local`` entry carries no numbers; asking for
 it returns the cached probe of this machine (:mod:`fuel.cost.probe`), probing when the cache is
-empty or ``reprobe=True``.
+empty or ``reprobe=True``. The format is stated as pydantic models (:mod:`fuel.schema`).
 
 Invariants: a malformed file raises one :class:`DeviceSpecError` naming the file, the dotted key
 (``device.<name>.<field>``) and the bad value; a spec that loads has finite positive rates, a
@@ -15,33 +15,21 @@ positive memory size, a non-negative launch overhead and a source for each of
 
 from __future__ import annotations
 
-import math
-import tomllib
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
 
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 from fuel.errors import FuelError, InputError
+from fuel.schema import Invalid, Schema, Text, validate
 
 SCHEMA = 1
 CPU_LOCAL = "cpu-local"
 
-_DEVICE_KEYS = {
-    "title",
-    "kind",
-    "memory_gb",
-    "bandwidth_gb_s",
-    "launch_overhead_ns",
-    "vector_tflops",
-    "peak_tflops",
-    "sources",
-    "probed",
-    "cache_mb",
-    "cache_bandwidth_gb_s",
-}
-_REQUIRED_SOURCES = ("peak_tflops", "bandwidth", "memory", "launch_overhead")
-_CACHE_KEYS = ("cache_mb", "cache_bandwidth_gb_s")
+Positive = Annotated[float, Field(gt=0)]
 
 
 class DeviceSpecError(InputError):
@@ -61,127 +49,87 @@ def default_devices_path() -> Path:
     return Path(str(resources.files("fuel") / "data" / "devices.toml"))
 
 
-def _number(file: str, key: str, value: object, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DeviceSpecError(file, key, f"expected a number, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
-        raise DeviceSpecError(file, key, f"expected a finite positive number, got {value!r}")
-    return number
+class _Sources(Schema):
+    peak_tflops: Text
+    bandwidth: Text
+    memory: Text
+    launch_overhead: Text
+    cache: Text | None = None
 
 
-def _parse_device(file: str, name: str, body: object) -> DeviceSpec | None:
-    """One ``[device.<name>]`` table; None for the probed ``cpu-local`` placeholder."""
-    prefix = f"device.{name}"
-    if not isinstance(body, dict):
-        raise DeviceSpecError(file, prefix, "expected a table")
-    unknown = sorted(set(body) - _DEVICE_KEYS)
-    if unknown:
-        raise DeviceSpecError(file, f"{prefix}.{unknown[0]}", "unknown key")
-    title = body.get("title")
-    if not isinstance(title, str) or not title:
-        raise DeviceSpecError(file, f"{prefix}.title", f"expected a non-empty string, got {title!r}")
-    try:
-        kind = DeviceKind(body.get("kind"))
-    except ValueError:
-        choices = ", ".join(k.value for k in DeviceKind)
-        raise DeviceSpecError(
-            file, f"{prefix}.kind", f"expected one of {choices}, got {body.get('kind')!r}"
-        ) from None
-    if body.get("probed", False) is True:
-        extra = sorted(set(body) - {"title", "kind", "probed"})
-        if extra:
-            raise DeviceSpecError(
-                file, f"{prefix}.{extra[0]}", "a probed device takes its numbers from the probe"
-            )
-        return None
-    for required in ("memory_gb", "bandwidth_gb_s", "launch_overhead_ns", "vector_tflops"):
-        if required not in body:
-            raise DeviceSpecError(file, f"{prefix}.{required}", "missing")
-    memory_gb = _number(file, f"{prefix}.memory_gb", body["memory_gb"])
-    bandwidth = _number(file, f"{prefix}.bandwidth_gb_s", body["bandwidth_gb_s"])
-    overhead = _number(file, f"{prefix}.launch_overhead_ns", body["launch_overhead_ns"], allow_zero=True)
-    vector = _number(file, f"{prefix}.vector_tflops", body["vector_tflops"])
-    peaks_body = body.get("peak_tflops")
-    if not isinstance(peaks_body, dict) or not peaks_body:
-        raise DeviceSpecError(file, f"{prefix}.peak_tflops", "expected a non-empty table")
-    peaks: dict[PeakClass, float] = {}
-    for klass, value in sorted(peaks_body.items()):
-        try:
-            peak = PeakClass(klass)
-        except ValueError:
-            choices = ", ".join(p.value for p in PeakClass)
-            raise DeviceSpecError(
-                file, f"{prefix}.peak_tflops.{klass}", f"unknown class; expected one of {choices}"
-            ) from None
-        peaks[peak] = _number(file, f"{prefix}.peak_tflops.{klass}", value) * 1e12
-    sources = body.get("sources")
-    if not isinstance(sources, dict):
-        raise DeviceSpecError(file, f"{prefix}.sources", "expected a table naming each number's source")
-    for required in _REQUIRED_SOURCES:
-        text = sources.get(required)
-        if not isinstance(text, str) or not text.strip():
-            raise DeviceSpecError(file, f"{prefix}.sources.{required}", "missing source")
-    cache_bytes, cache_bandwidth = _cache_tier(file, prefix, body, sources)
-    stray = sorted(set(sources) - set(_REQUIRED_SOURCES) - {"cache"})
-    if stray:
-        raise DeviceSpecError(file, f"{prefix}.sources.{stray[0]}", "unknown key")
-    return DeviceSpec(
-        name=name,
-        title=title,
-        kind=kind,
-        peak_flops=peaks,
-        vector_flops=vector * 1e12,
-        bandwidth_bytes_per_s=bandwidth * 1e9,
-        memory_bytes=int(memory_gb * 1e9),
-        launch_overhead_ns=int(round(overhead)),
-        sources={key: sources[key] for key in (*_REQUIRED_SOURCES, "cache") if key in sources},
-        cache_bytes=cache_bytes,
-        cache_bandwidth_bytes_per_s=cache_bandwidth,
-    )
+class _Probed(Schema):
+    """The ``cpu-local`` placeholder: its numbers come from the probe."""
+
+    title: Text
+    kind: Annotated[DeviceKind, Field(strict=False)]
+    probed: Literal[True]
 
 
-def _cache_tier(file: str, prefix: str, body: dict, sources: dict) -> tuple[int | None, float | None]:
-    """The optional cache tier: (bytes, byte/s), or (None, None) when the device declares none."""
-    given = [key for key in _CACHE_KEYS if key in body]
-    if not given:
-        if "cache" in sources:
-            raise DeviceSpecError(file, f"{prefix}.sources.cache", "a source for a cache tier the device does not declare")
-        return None, None
-    missing = [key for key in _CACHE_KEYS if key not in body]
-    if missing:
-        raise DeviceSpecError(file, f"{prefix}.{missing[0]}", f"missing (a cache tier needs both {' and '.join(_CACHE_KEYS)})")
-    text = sources.get("cache")
-    if not isinstance(text, str) or not text.strip():
-        raise DeviceSpecError(file, f"{prefix}.sources.cache", "missing source")
-    size_mb = _number(file, f"{prefix}.cache_mb", body["cache_mb"])
-    bandwidth = _number(file, f"{prefix}.cache_bandwidth_gb_s", body["cache_bandwidth_gb_s"])
-    return int(size_mb * 1e6), bandwidth * 1e9
+class _Datasheet(Schema):
+    title: Text
+    kind: Annotated[DeviceKind, Field(strict=False)]
+    probed: Literal[False] = False
+    memory_gb: Positive
+    bandwidth_gb_s: Positive
+    launch_overhead_ns: Annotated[float, Field(ge=0)]
+    vector_tflops: Positive
+    peak_tflops: Annotated[dict[Annotated[PeakClass, Field(strict=False)], Positive], Field(min_length=1)]
+    sources: _Sources
+    cache_mb: Positive | None = None
+    cache_bandwidth_gb_s: Positive | None = None
+
+    @model_validator(mode="after")
+    def _cache_tier_is_all_or_nothing(self) -> _Datasheet:
+        given = [self.cache_mb is not None, self.cache_bandwidth_gb_s is not None]
+        if any(given) and not all(given):
+            missing = "cache_bandwidth_gb_s" if given[0] else "cache_mb"
+            raise Invalid("missing (a cache tier needs both cache_mb and cache_bandwidth_gb_s)", missing)
+        if any(given) and self.sources.cache is None:
+            raise Invalid("missing source", "sources.cache")
+        if not any(given) and self.sources.cache is not None:
+            raise Invalid("a source for a cache tier the device does not declare", "sources.cache")
+        return self
+
+    def spec(self, name: str) -> DeviceSpec:
+        return DeviceSpec(
+            name=name, title=self.title, kind=self.kind,
+            peak_flops={klass: value * 1e12 for klass, value in sorted(
+                self.peak_tflops.items(), key=lambda item: item[0].value)},
+            vector_flops=self.vector_tflops * 1e12,
+            bandwidth_bytes_per_s=self.bandwidth_gb_s * 1e9,
+            memory_bytes=int(self.memory_gb * 1e9),
+            launch_overhead_ns=int(round(self.launch_overhead_ns)),
+            sources=self.sources.model_dump(exclude_none=True),
+            cache_bytes=None if self.cache_mb is None else int(self.cache_mb * 1e6),
+            cache_bandwidth_bytes_per_s=(None if self.cache_bandwidth_gb_s is None
+                                         else self.cache_bandwidth_gb_s * 1e9),
+        )
+
+
+class _File(Schema):
+    # `interconnect` tables are read by fuel.cost.interconnect (links between ranks).
+    schema_: Literal[1] = Field(alias="schema")
+    device: Annotated[dict[str, dict[str, Any]], Field(min_length=1)]
+    interconnect: Any = None
 
 
 def parse_devices(text: str, file: str) -> tuple[dict[str, DeviceSpec], list[str]]:
     """Parse a devices file: (specs with numbers, names of probed placeholders), both by name."""
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise DeviceSpecError(file, None, f"not valid TOML: {error}") from None
-    # `interconnect` tables are read by fuel.cost.interconnect (links between ranks).
-    unknown = sorted(set(document) - {"schema", "device", "interconnect"})
-    if unknown:
-        raise DeviceSpecError(file, unknown[0], "unknown key")
-    if document.get("schema") != SCHEMA:
-        raise DeviceSpecError(file, "schema", f"expected {SCHEMA}, got {document.get('schema')!r}")
-    devices = document.get("device")
-    if not isinstance(devices, dict) or not devices:
-        raise DeviceSpecError(file, "device", "expected at least one [device.<name>] table")
+    from fuel.inputs import parse_toml
+
+    def fail(key: str | None, detail: str) -> DeviceSpecError:
+        return DeviceSpecError(file, key, detail)
+
+    document = validate(_File, parse_toml(text, lambda detail: fail(None, detail)), fail)
     specs: dict[str, DeviceSpec] = {}
     probed: list[str] = []
-    for name in sorted(devices):
-        spec = _parse_device(file, name, devices[name])
-        if spec is None:
+    for name in sorted(document.device):
+        body = document.device[name]
+        if body.get("probed") is True:
+            validate(_Probed, body, fail, f"device.{name}")
             probed.append(name)
         else:
-            specs[name] = spec
+            specs[name] = validate(_Datasheet, body, fail, f"device.{name}").spec(name)
     return specs, probed
 
 

@@ -8,6 +8,14 @@ per-call time and the spread (the inter-quartile range) of the samples.
 Invariants: a :class:`Measurement` has ``median_ns >= 1`` (a kernel that ran took time; 0 is
 never a latency), ``spread_ns >= 0``, and ``samples == repeats``. This module reads the clock: it
 is an edge, never called from the planning core.
+
+Why not ``torch.utils.benchmark.Timer``: its ``blocked_autorange`` grows blocks tenfold until the
+timer's overhead is 1e-4 of a block (10,000 calls of a 1 us kernel per block), so at this
+profiler's budget (15 samples of 200 us, about 10 ms for a 1 us kernel) it returns ONE sample
+and no spread; it needs ``min_run_time=0.2`` (24 times longer, measured on a 1x576 add) for a
+dozen samples, and ``adaptive_autorange`` ran 10.8 s on the same kernel. Programs run the
+profiler for every Judge arm while they build, so either would slow builds by that factor. It
+also takes no injectable clock (the tests' fake clock) and pins torch to one thread unless told.
 """
 
 from __future__ import annotations

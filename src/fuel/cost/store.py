@@ -23,6 +23,7 @@ JSON export/import (``fuel judge export|import``) merge rules:
    served on this machine; they travel on when this store is exported again.
 4. A file whose format, schema version or any row is malformed is refused as a whole (one
    :class:`~fuel.errors.InputError` naming the file, the row and the field); nothing is merged.
+   The format is stated as the pydantic models ``_Export`` and ``_Row`` (:mod:`fuel.schema`).
 
 Export output is deterministic: rows sorted by key, keys sorted, no timestamps.
 """
@@ -33,11 +34,15 @@ import json
 import os
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Iterable
+from typing import Annotated, Iterable, Literal
+
+from pydantic import Field
 
 from fuel.errors import FuelError, InputError
+from fuel.schema import Schema, validate
 
 APPLICATION = "fuel-judge"
 SCHEMA_VERSION = 1
@@ -407,7 +412,28 @@ class JudgeStore:
 
 
 _SQLITE_INT_MAX = 2**63 - 1
-_INT_FIELDS = {"median_ns": 1, "spread_ns": 0, "samples": 1}  # field -> smallest valid value
+_Key = Annotated[str, Field(min_length=1)]
+
+
+class _Row(Schema):
+    """One exported row: the key fields non-empty strings, the numbers SQLite integers."""
+
+    op: _Key
+    dtype: _Key
+    size_class: _Key
+    backend: _Key
+    kernel_source: _Key
+    device_fingerprint: _Key
+    library_versions: _Key
+    median_ns: Annotated[int, Field(ge=1, le=_SQLITE_INT_MAX)]
+    spread_ns: Annotated[int, Field(ge=0, le=_SQLITE_INT_MAX)]
+    samples: Annotated[int, Field(ge=1, le=_SQLITE_INT_MAX)]
+
+
+class _Export(Schema):
+    format: Literal["fuel-judge-export"]
+    schema_version: Literal[1]
+    measurements: list[_Row]
 
 
 def parse_export(text: str, *, file: str) -> list[StoredMeasurement]:
@@ -417,39 +443,5 @@ def parse_export(text: str, *, file: str) -> list[StoredMeasurement]:
     document = parse_json(text, lambda detail: InputError(file, None, detail))
     if not isinstance(document, dict):
         raise InputError(file, None, "expected a JSON object")
-    if document.get("format") != EXPORT_FORMAT:
-        raise InputError(file, "format", f"expected {EXPORT_FORMAT!r}, got {document.get('format')!r}")
-    if document.get("schema_version") != SCHEMA_VERSION:
-        raise InputError(
-            file, "schema_version",
-            f"expected {SCHEMA_VERSION}, got {document.get('schema_version')!r}",
-        )
-    rows = document.get("measurements")
-    if not isinstance(rows, list):
-        raise InputError(file, "measurements", "expected a list")
-    names = [f.name for f in fields(StoredMeasurement)]
-    parsed = []
-    for index, row in enumerate(rows):
-        where = f"measurements[{index}]"
-        if not isinstance(row, dict):
-            raise InputError(file, where, "expected an object")
-        extra = sorted(set(row) - set(names))
-        if extra:
-            raise InputError(file, f"{where}.{extra[0]}", "unknown field")
-        values = {}
-        for name in names:
-            if name not in row:
-                raise InputError(file, f"{where}.{name}", "missing")
-            value = row[name]
-            if name in _INT_FIELDS:
-                if (isinstance(value, bool) or not isinstance(value, int)
-                        or not _INT_FIELDS[name] <= value <= _SQLITE_INT_MAX):
-                    raise InputError(
-                        file, f"{where}.{name}",
-                        f"expected an integer from {_INT_FIELDS[name]} to {_SQLITE_INT_MAX}, got {value!r}",
-                    )
-            elif not isinstance(value, str) or not value:
-                raise InputError(file, f"{where}.{name}", f"expected a non-empty string, got {value!r}")
-            values[name] = value
-        parsed.append(StoredMeasurement(**values))
-    return parsed
+    export = validate(_Export, document, partial(InputError, file))
+    return [StoredMeasurement(**row.model_dump()) for row in export.measurements]

@@ -173,6 +173,8 @@ def _axis(op: OpKind, dim: Any, rank: int, *, inclusive: bool = False) -> int:
 
 
 def _broadcast(op: OpKind, shapes: Sequence[Shape]) -> Shape:
+    # NumPy broadcasting, by hand: a dim here is an int or a run-time symbol (``"n"``), which
+    # numpy.broadcast_shapes does not take; a symbol broadcasts with 1 and itself only.
     rank = max(shape.rank for shape in shapes)
     out: list[Dim] = []
     for axis in range(rank):
