@@ -151,6 +151,17 @@ def test_a_console_too_narrow_for_a_table_gets_its_rows_as_labelled_lines():
     assert "residual_add_rms_norm" in text and "…" not in text
 
 
+def test_streamed_answer_wraps_at_spaces_within_the_width():
+    from fuel.cli.run import StreamWrap
+
+    wrap = StreamWrap(20)
+    pieces = ["An", " inference", " engine", " uses", " machine", " learning", "\n\n", "Next"]
+    text = "".join(wrap(piece) for piece in pieces)
+    assert text == "An inference engine \nuses machine \nlearning\n\nNext"
+    assert wrap.column == 4
+    assert all(len(line) <= 20 for line in text.splitlines())
+
+
 # -- the real CLI ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -162,10 +173,12 @@ def cli_outputs(tmp_path_factory) -> dict[str, tuple[str, str]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FUEL_CACHE_DIR", cache)
         patch.setenv("COLUMNS", "80")
-        for name, extra in (("short", []), ("full", ["--report", "full"]), ("verbose", ["-v"])):
+        # The default run's answer is long enough to wrap at 80 columns.
+        for name, extra in (("short", ["-n", "16"]), ("full", ["-n", "4", "--report", "full"]),
+                            ("verbose", ["-n", "4", "-v"])):
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                status = main(["run", "-p", "Name a planet.", "-n", "4", "--threads", "2", *extra])
+                status = main(["run", "-p", "Name a planet.", "--threads", "2", *extra])
             assert status == 0, err.getvalue()
             outputs[name] = (out.getvalue(), err.getvalue())
     return outputs

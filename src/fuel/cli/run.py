@@ -138,13 +138,11 @@ def _generate(loaded: Any, texts: list[str], *, max_new_tokens: int, speculate: 
     from fuel.cli.run_report import print_report
     from fuel.runtime.model import run_generation
 
-    from rich.cells import cell_len
-
     console = Console(highlight=False)
     stream = None
     if not as_json and len(texts) == 1:
         echoed = []
-        column = [0]
+        wrap = StreamWrap(console.width)
 
         def stream(text: str) -> None:
             # The prompt is echoed with the first generated text, so a prompt refused before
@@ -153,13 +151,11 @@ def _generate(loaded: Any, texts: list[str], *, max_new_tokens: int, speculate: 
                 console.print(escape(texts[0]), style="dim")
                 console.print()
                 echoed.append(True)
-            console.print(text, end="", markup=False)
-            _, newline, tail = text.rpartition("\n")
-            column[0] = cell_len(tail) + (0 if newline else column[0])
+            console.print(wrap(text), end="", markup=False, soft_wrap=True)
 
         if console.is_terminal and progress is not None:
             # A program built mid-answer (a wider block table) draws its bar below the line.
-            progress.partial_column = lambda: column[0] % console.width
+            progress.partial_column = lambda: wrap.column
     result = run_generation(loaded, texts, max_new_tokens=max_new_tokens, speculate=speculate,
                             drafter=drafter, chat=chat, on_text=stream)
     result["threads"] = threads
@@ -173,6 +169,44 @@ def _generate(loaded: Any, texts: list[str], *, max_new_tokens: int, speculate: 
             console.print()
         print_report(console, result, full=full)
     return result
+
+
+class StreamWrap:
+    """Streamed text wrapped at spaces to ``width`` columns, as rich wraps printed text: a word
+    that would cross the edge starts the next line (the spaces before it are dropped), so the
+    answer stays readable on a terminal, in a pipe or a log. ``column``: where the unfinished
+    line ends."""
+
+    def __init__(self, width: int):
+        self.width = max(width, 1)
+        self.column = 0
+
+    def __call__(self, text: str) -> str:
+        import re
+
+        from rich.cells import cell_len
+
+        out: list[str] = []
+        for piece in re.split(r"(\s+)", text):
+            if not piece:
+                continue
+            if "\n" in piece:
+                out.append(piece)
+                self.column = cell_len(piece.rpartition("\n")[2])
+            elif piece.isspace():
+                if self.column + cell_len(piece) > self.width:
+                    out.append("\n")
+                    self.column = 0
+                else:
+                    out.append(piece)
+                    self.column += cell_len(piece)
+            else:
+                if self.column and self.column + cell_len(piece) > self.width:
+                    out.append("\n")
+                    self.column = 0
+                out.append(piece)
+                self.column += cell_len(piece)
+        return "".join(out)
 
 
 @app.command("run")

@@ -245,11 +245,12 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         text = ", ".join(f"{mode} {row['count']}" for mode, row in builds.items())
         if restored == count:
             text += f" restored from disk in {seconds:.2f} s"
-        else:
+        elif not restored:
             text += (f" built in {seconds:.2f} s (lowering, JIT adoption, Judge measurement, "
                      "bake; stored for later runs)")
-            if restored:
-                text += f", {restored} of them restored from disk"
+        else:
+            text += (f" in {seconds:.2f} s: {count - restored} built (stored for later runs), "
+                     f"{restored} restored from disk")
         rows.append(("programs", text))
     for note in (result.get("program_cache") or {}).get("notes", []):
         rows.append(("program cache", note))
@@ -272,11 +273,17 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     if not jit.get("enabled"):
         rows.append(("jit", jit.get("note", "off")))
     else:
-        tried = len(jit.get("adoptions", []))
-        rows.append(("jit", f"{_count(tried, 'kernel shape')} synthesized and verified, "
-                            f"{_count(jit.get('judge_rows_measured', 0), 'Judge cell')} "
-                            "measured this run" if tried or jit.get("judge_rows_measured")
-                            else "every program restored: nothing compiled or measured this run"))
+        outcomes = Counter(row["outcome"] for row in jit.get("adoptions", []))
+        cells = jit.get("judge_rows_measured", 0)
+        if outcomes or cells:
+            adopted, reused = outcomes.pop("adopted", 0), outcomes.pop("already adopted", 0)
+            text = (f"{_count(adopted + reused + sum(outcomes.values()), 'region shape')} tried "
+                    f"this run: {adopted} adopted (synthesized and verified), {reused} reused an "
+                    f"adopted kernel, {sum(outcomes.values())} refused; "
+                    f"{_count(cells, 'Judge cell')} measured")
+        else:
+            text = "every program restored: nothing compiled or measured this run"
+        rows.append(("jit", text))
     return rows
 
 
