@@ -74,7 +74,7 @@ def test_default_report_is_a_few_summary_lines_and_no_table():
     assert "2 threads" in text and "8 tokens" in text
     assert "tokens/s" in text and "MB read per token" in flat(text)
     # measured / floor: 1000 / 10.07 tokens/s = 99.3 ms per token over an 18.9 ms floor
-    assert "measured 99.3 ms/token, 5.3x the floor" in flat(text)
+    assert "measured 99.3 ms/token, 5.26x the floor" in flat(text)
 
 
 def test_default_report_has_one_line_per_kind_of_decision():

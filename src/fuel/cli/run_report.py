@@ -82,6 +82,13 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
+def _num(value: float) -> str:
+    """Three significant digits, never in exponent form (18.9, 0.00211, 124, 47231)."""
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.3g}" if value >= 1e-4 else f"{value:.2g}"
+
+
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -231,11 +238,14 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         floor = weights["floor_ms_per_token"]
         if floor is not None:
             source = weights["bandwidth_source"].split(" (")[0].split(":")[0]
-            text = (f"{floor:.1f} ms/token ({weights['floor_tokens_per_s']:.1f} tokens/s at "
-                    f"{weights['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {source})")
-            if steady:
+            text = (f"{_num(floor)} ms/token ({_num(weights['floor_tokens_per_s'])} tokens/s "
+                    f"at {weights['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {source})")
+            if steady and floor > 0:
                 measured = 1e3 / steady
-                text += f"; measured {measured:.1f} ms/token, {measured / floor:.1f}x the floor"
+                text += (f"; measured {_num(measured)} ms/token, {_num(measured / floor)}x the "
+                         "floor")
+                if result["sequences"] > 1:
+                    text += f" (a step decodes {result['sequences']} sequences)"
             rows.append(("floor", text))
     builds = result["program_builds"]
     if builds:
