@@ -268,3 +268,65 @@ def test_json_runs_draw_no_progress_even_on_a_terminal(tmp_path, monkeypatch, ca
     (listener,) = terminal.made
     assert listener.opened  # the tasks were reported ...
     assert terminal.out.getvalue() == ""  # ... and nothing was drawn
+
+
+class _Recorder:
+    """A :class:`fuel.progress.Listener` keeping every description a task showed."""
+
+    def __new__(cls):
+        from fuel.progress import Listener, Task
+
+        class Recorder(Listener):
+            def __init__(self):
+                self.shown: list[str] = []
+                self.open = 0
+
+            def task(self, description, total=None):
+                recorder = self
+                recorder.shown.append(description)
+                recorder.open += 1
+
+                class Shown(Task):
+                    def update(self, *, completed=None, total=None, description=None):
+                        if description is not None:
+                            recorder.shown.append(description)
+
+                    def close(self):
+                        recorder.open -= 1
+
+                return Shown()
+
+        return Recorder()
+
+
+def test_jit_compilation_and_judge_measurement_report_which_kernel_n_of_m(tmp_path):
+    from fuel.cost import device
+    from fuel.jit.session import JitSession
+    from fuel.kernels import cpu_table
+    from fuel.optimize import OptimizeOptions
+    from fuel.optimize.optimize import offer_arms
+    from fuel.progress import listening
+    import torch
+
+    from tests.jit.test_shape_gate import RIGHT, WrongAtSomeWidths, residual_step
+
+    session = JitSession(table=cpu_table(), synthesizer=WrongAtSomeWidths(0),
+                         store_path=tmp_path / "judge.sqlite",
+                         profile_options={"warmup": 0, "repeats": 1, "min_sample_ns": 0})
+    graph, root = residual_step(RIGHT)
+    recorder = _Recorder()
+    with listening(recorder):
+        session.adopt_for(graph, [root])
+        offered = offer_arms(graph, [root], OptimizeOptions(
+            table=session.table, runtime=session.registry, runtime_gate=session.gate(),
+            device_spec=device("h100-sxm")))
+        feeds = {"x": torch.randn(1, RIGHT), "r": torch.randn(1, RIGHT),
+                 "gain": torch.randn(RIGHT)}
+        rows = session.measure(graph, offered.branches(), feeds)
+    assert rows
+    assert "JIT: compiling and verifying residual_add_rms_norm (1 of 1)" in recorder.shown
+    timed = [d for d in recorder.shown if d.startswith("Judge: timing ")]
+    assert timed[-1].endswith(f"({len(rows)} of {len(rows)})")
+    # the adopted kernel's cell is named by its region, not its jit:<hash>
+    assert any(d.startswith("Judge: timing residual_add_rms_norm") for d in timed)
+    assert recorder.open == 0
