@@ -240,8 +240,8 @@ class _Terminal:
 def test_a_terminal_sees_the_conversion_and_the_program_builds(tmp_path, monkeypatch):
     from tests.runtime.conftest import write_tiny_gguf
 
-    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", quantize={"ffn_down.weight": "Q8_0"},
-                           dims={"hidden": 64, "ffn": 128, "heads": 2, "kv_heads": 1, "head_dim": 32})
+    dims = {"hidden": 64, "ffn": 128, "heads": 2, "kv_heads": 1, "head_dim": 32}
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", quantize={"ffn_down.weight": "Q8_0"}, dims=dims)
     monkeypatch.setenv("FUEL_CACHE_DIR", str(tmp_path / "cache"))
     terminal = _Terminal()
     terminal.patch(monkeypatch)

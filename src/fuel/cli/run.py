@@ -14,11 +14,11 @@ JIT is on by default where it can run (numba importable): the CPU has no kernel 
 attention and residual_add_rms_norm, and running their decompositions costs thousands of small
 kernel calls per step. With ``--jit`` the run adopts verified numba kernels for them, measures
 both arms on this machine once (the Judge store keeps the cells for later runs) and bakes the
-faster; the report prints each adoption (region, verification error, kernel vs decomposed time)
-and each bake decision (winner, both arms' costs and their source) under ``--report full``. A decline, a failed
-verification or a slower kernel is reported and the run continues decomposed. ``--no-jit`` runs
-the decompositions as before. Bad input —
-a missing or corrupt model file, checkpoint tensors that do not match the circuit, a prompt
+faster; the short report says per kind of decision where the kernels won and by how much,
+``--report full`` prints each adoption (region, verification error, kernel vs decomposed time)
+and each bake decision (winner, both arms' costs and their source). A decline, a failed
+verification or a slower kernel is reported and the run continues decomposed. ``--no-jit``
+runs the decompositions as before. Bad input — a missing or corrupt model file, checkpoint tensors that do not match the circuit, a prompt
 longer than the cache — is one error line (the app's error boundary), never a traceback.
 """
 
@@ -85,7 +85,8 @@ def check_run_options(prompts: list[str], *, speculate: int, drafter: str | None
 
     DType.parse(dtype)
     if report not in REPORTS:
-        raise InputError("command line", "--report", f"`{report}` is not one of {', '.join(REPORTS)}")
+        raise InputError("command line", "--report",
+                         f"`{report}` is not one of {', '.join(REPORTS)}")
     if drafter is not None and speculate == 0:
         raise InputError("command line", "--drafter", f"`{drafter}` drafts for speculation, which "
                                                       "is off: add --speculate K (K >= 1)")

@@ -27,6 +27,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 REPORTS = ("short", "full")
@@ -78,8 +79,8 @@ def _span(ratios: list[float]) -> str:
     return _times(low) if _times(low) == _times(high) else f"{_times(low)} to {_times(high)}"
 
 
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+def _count(n: int, what: str, plural: str | None = None) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {plural or what + 's'}"
 
 
 def _num(value: float) -> str:
@@ -127,7 +128,8 @@ class _Kind:
 
 
 def _arm_name(label: str) -> str:
-    return "numba kernel" if label.startswith(JIT_LABEL) else f"variant {label}"
+    """How a winning arm is named: an adopted JIT kernel, or a variant kernel the bake chose."""
+    return "numba kernel adopted" if label.startswith(JIT_LABEL) else f"variant {label} baked"
 
 
 def _programs(groups: Iterable[tuple[dict[str, Any], int]]) -> str:
@@ -172,9 +174,9 @@ def decision_kinds(result: dict[str, Any]) -> list[tuple[str, str]]:
     for region in sorted(kinds):
         kind, parts = kinds[region], []
         for name, groups in kind.won.items():
-            ratios = [g["arms"][0]["cost_ns"] / g["arms"][g["winner"]]["cost_ns"]
-                      for g in groups if g["arms"][0]["cost_ns"] and g["arms"][g["winner"]]["cost_ns"]]
-            text = f"{name} adopted {_programs((g['program'], g['count']) for g in groups)}"
+            costs = [(g["arms"][0]["cost_ns"], g["arms"][g["winner"]]["cost_ns"]) for g in groups]
+            ratios = [recipe / winner for recipe, winner in costs if recipe and winner]
+            text = f"{name} {_programs((g['program'], g['count']) for g in groups)}"
             if ratios:
                 text += f", {_span(ratios)} faster than the recipe"
             parts.append(text)
@@ -277,8 +279,9 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     if result.get("routes"):
         branches = {(r["mode"], r["branch"]) for r in result["routes"]}
         devices = sorted({r["device"] for r in result["routes"]})
-        rows.append(("routes", f"{_count(len(branches), 'live branch')} routed per step by the "
-                               f"route picker, on {', '.join(devices)}"))
+        live = _count(len(branches), "live branch", "live branches")
+        rows.append(("routes", f"{live} routed per step by the route picker, on "
+                               f"{', '.join(devices)}"))
     jit = result.get("jit") or {}
     if not jit.get("enabled"):
         rows.append(("jit", jit.get("note", "off")))
@@ -302,16 +305,14 @@ def _grid(rows: list[tuple[str, str]], indent: int = 0) -> Table:
     grid = Table.grid(padding=(0, 2, 0, 0), pad_edge=False)
     grid.add_column(no_wrap=True, style="bold")
     grid.add_column(overflow="fold")
-    if indent:
-        grid.padding = (0, 2, 0, 0)
     for label, text in rows:
         grid.add_row(" " * indent + label, text)
     return grid
 
 
 def print_summary(console: Console, result: dict[str, Any], *, full: bool = False) -> None:
-    console.print(f"[bold]{result['model']}[/], {result['dtype']} weights, {result['threads']} "
-                  f"threads: {_count(result['generated_tokens'], 'token')} for "
+    console.print(f"[bold]{escape(result['model'])}[/], {result['dtype']} weights, "
+                  f"{result['threads']} threads: {_count(result['generated_tokens'], 'token')} for "
                   f"{_count(result['sequences'], 'sequence')}", markup=True)
     console.print(_grid(summary_rows(result)))
     kinds = decision_kinds(result)
