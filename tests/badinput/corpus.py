@@ -175,6 +175,8 @@ STRING_CHOICES = [  # (case id, argv, pattern)
     ("run-drafter", ["run", "-k", "2", "--drafter", "oracle"], r"--drafter.*oracle"),
     ("run-drafter-without-speculation", ["run", "--drafter", "prompt-lookup"], r"--drafter.*--speculate"),
     ("run-speculate-above-limit", ["run", "-k", "100000"], r"--speculate.*100000"),
+    ("run-report", ["run", "--report", "long"], r"--report.*long"),
+    ("demo-report", ["demo", "--report", "tables"], r"--report.*tables"),
 ]
 for cid, argv, pattern in STRING_CHOICES:
     case(cid, argv, pattern)

@@ -83,8 +83,16 @@ def test_run_with_speculation_and_batch_reports_acceptance(capsys, smollm2_weigh
 
 
 @pytest.mark.slow
-def test_demo_streams_text_and_prints_the_report(capsys, smollm2_weights):
+def test_demo_streams_text_and_prints_the_short_report(capsys, smollm2_weights):
     assert main(["demo", "-n", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "first token" in out and "decisions" in out
+    assert "steps by mode" not in out  # the tables are --report full / -v
+
+
+@pytest.mark.slow
+def test_demo_v_prints_the_tables(capsys, smollm2_weights):
+    assert main(["demo", "-n", "6", "-v"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "steps by mode" in out and "bake decisions" in out
 

@@ -40,11 +40,11 @@ def test_run_on_a_moe_checkpoint_folder_matches_transformers_and_reports_expert_
         assert decode["expert_bytes_per_step"] == 2 * tiny.top_k * per_expert
 
 
-def test_text_report_prints_the_expert_load_table(capsys, monkeypatch):
+def test_full_text_report_prints_the_expert_load_table(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "220")  # a console wide enough that no cell wraps
     tiny = checkpoint("mixtral")
     assert main(["run", str(tiny.folder), "--raw", "-p", "abc", "-n", "2", "--threads", "1",
-                 "--no-jit"]) == 0
+                 "--no-jit", "--report", "full"]) == 0
     out = capsys.readouterr().out
     assert "expert load" in out and "distinct experts/layer" in out
     assert "of 4 (k=2)" in out

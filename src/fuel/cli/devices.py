@@ -43,7 +43,11 @@ def devices_command(
     specs = list(load_devices().values())
     local = None
     if probe or cache_path().exists():
-        local = cpu_local_spec(reprobe=probe)
+        from fuel.cli.progress import TerminalProgress
+        from fuel.progress import listening
+
+        with listening(TerminalProgress(enabled=not as_json)):
+            local = cpu_local_spec(reprobe=probe)
         specs.append(local)
     if as_json:
         document = [

@@ -48,8 +48,14 @@ def serve_command(
     if drafter not in DRAFTERS:
         raise InputError("--drafter", "drafter", f"{drafter!r} is not one of {', '.join(DRAFTERS)}")
     set_threads(threads)
-    loaded = load_model(model, dtype=dtype, max_context=max_context, max_sequences=max_batch,
-                        jit=numba_available() if jit is None else jit)
+    from fuel.cli.progress import TerminalProgress
+    from fuel.progress import listening
+
+    # The conversion and the machine probe draw a bar on a terminal's stderr before serving;
+    # programs built while serving do not (the server's log owns the terminal then).
+    with listening(TerminalProgress()):
+        loaded = load_model(model, dtype=dtype, max_context=max_context,
+                            max_sequences=max_batch, jit=numba_available() if jit is None else jit)
     options = ServeOptions(max_batch=max_batch, token_budget=token_budget, speculate=speculate,
                            drafter=drafter, api_key=api_key, model_name=served_model_name,
                            default_max_tokens=default_max_tokens)

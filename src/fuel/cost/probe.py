@@ -223,34 +223,54 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
 
         set_threads(threads)
 
+    from fuel.progress import current
+
     numbers: dict[str, float | int | str] = {}
     m, k, n = _GEMM_SHAPE
     rows, cols = _GEMV_SHAPE
-    for name, torch_name in _DTYPES:
-        dtype = getattr(torch, torch_name)
-        numbers[f"{name}_flops"] = _linear_rate(torch, dtype, m, k, n)[0]
-        # The f32 product is the bandwidth probe: always timed on the full, DRAM-sized weight.
-        rate, gemv_ns = _linear_rate(torch, dtype, 1, cols, rows, shrink=name != "fp32")
-        numbers[f"{name}_gemv_flops"] = rate
-        if name == "fp32":
-            numbers["bandwidth_bytes_per_s"] = rows * cols * 4 / (gemv_ns * 1e-9)
+    total = 2 * len(_DTYPES) + 4
+    with current().task("probing this machine (cpu-local, once)", total=total) as task:
+        def step(what: str) -> None:
+            task.update(description=f"probing this machine (cpu-local, once): {what}")
 
-    numbers["vector_flops"] = _vector_flops_per_s(torch)
+        for name, torch_name in _DTYPES:
+            dtype = getattr(torch, torch_name)
+            step(f"{name} matrix product")
+            numbers[f"{name}_flops"] = _linear_rate(torch, dtype, m, k, n)[0]
+            task.advance()
+            # The f32 product is the bandwidth probe: always timed on the full, DRAM-sized weight.
+            step(f"{name} matrix-vector product")
+            rate, gemv_ns = _linear_rate(torch, dtype, 1, cols, rows, shrink=name != "fp32")
+            numbers[f"{name}_gemv_flops"] = rate
+            if name == "fp32":
+                numbers["bandwidth_bytes_per_s"] = rows * cols * 4 / (gemv_ns * 1e-9)
+            task.advance()
 
-    source = torch.ones(_BANDWIDTH_BYTES // 4)
-    target = torch.empty_like(source)
-    copy = profile_kernel(lambda: target.copy_(source), warmup=1, repeats=5, min_sample_ns=20_000_000)
-    numbers["copy_bytes_per_s"] = 2 * _BANDWIDTH_BYTES / (copy.median_ns * 1e-9)
-    cache_bytes, cache_bandwidth, note = _measure_cache_tier(
-        torch, torch.get_num_threads(), float(numbers["copy_bytes_per_s"])
-    )
-    numbers["cache_bytes"] = cache_bytes
-    numbers["cache_bandwidth_bytes_per_s"] = cache_bandwidth
-    numbers["cache_note"] = note
+        step("vector rate")
+        numbers["vector_flops"] = _vector_flops_per_s(torch)
+        task.advance()
 
-    one_a, one_b, one_out = torch.ones(1), torch.ones(1), torch.empty(1)
-    tiny = profile_kernel(lambda: torch.add(one_a, one_b, out=one_out), warmup=100, repeats=15)
-    numbers["launch_overhead_ns"] = tiny.median_ns
+        step("streaming copy")
+        source = torch.ones(_BANDWIDTH_BYTES // 4)
+        target = torch.empty_like(source)
+        copy = profile_kernel(lambda: target.copy_(source), warmup=1, repeats=5,
+                              min_sample_ns=20_000_000)
+        numbers["copy_bytes_per_s"] = 2 * _BANDWIDTH_BYTES / (copy.median_ns * 1e-9)
+        task.advance()
+        step("cache tier")
+        cache_bytes, cache_bandwidth, note = _measure_cache_tier(
+            torch, torch.get_num_threads(), float(numbers["copy_bytes_per_s"])
+        )
+        numbers["cache_bytes"] = cache_bytes
+        numbers["cache_bandwidth_bytes_per_s"] = cache_bandwidth
+        numbers["cache_note"] = note
+        task.advance()
+
+        step("launch overhead")
+        one_a, one_b, one_out = torch.ones(1), torch.ones(1), torch.empty(1)
+        tiny = profile_kernel(lambda: torch.add(one_a, one_b, out=one_out), warmup=100, repeats=15)
+        numbers["launch_overhead_ns"] = tiny.median_ns
+        task.advance()
     numbers["memory_bytes"] = _physical_memory_bytes()
     numbers["torch_threads"] = torch.get_num_threads()
     return numbers

@@ -143,6 +143,8 @@ class JitSession:
     it with a program, to bind the same kernel in a later process)."""
     _tried: dict[tuple[str, str], AdoptionEvent] = field(default_factory=dict)
     _verdicts: dict[tuple[str, tuple], str | None] = field(default_factory=dict)
+    _names: dict[str, str] = field(default_factory=dict)
+    """Judge op name of an adopted region (``jit:<hash>``) -> the region (for progress)."""
     _judge: Any = None
 
     def __post_init__(self) -> None:
@@ -154,24 +156,31 @@ class JitSession:
     def adopt_for(self, graph: Graph, roots: Iterable[NodeId]) -> list[AdoptionEvent]:
         """Adopt a kernel for each new (region, shapes) request of the lowered graph."""
         from fuel.jit.adopt import adopt
+        from fuel.progress import current
 
         new: list[AdoptionEvent] = []
-        for region, request, nodes in requests_of(graph, roots, self.table, self.backend,
-                                                  self.arch, self.budget, self.registry):
-            key = (request.structure_key(), _shapes(request))
-            if key in self._tried:
-                continue
-            record = adopt(self.synthesizer, request, self.backend, table=self.table,
-                           registry=self.registry)
-            event = AdoptionEvent(region, _shapes(request), str(request.output), len(nodes),
-                                  record)
-            self._tried[key] = event
-            self._verdicts[_gate_key(request)] = (
-                None if record.adopted else f"{record.outcome.value}: {record.reason}")
-            self.events.append(event)
-            if record.adopted and record.runtime_id is not None:
-                self.adopted.setdefault(record.runtime_id, request)
-            new.append(event)
+        pending = [(region, request, nodes) for region, request, nodes in
+                   requests_of(graph, roots, self.table, self.backend, self.arch, self.budget,
+                               self.registry)
+                   if (request.structure_key(), _shapes(request)) not in self._tried]
+        if not pending:
+            return new
+        with current().task("JIT", total=len(pending)) as task:
+            for index, (region, request, nodes) in enumerate(pending):
+                task.update(completed=index, description=f"JIT: compiling and verifying "
+                                                         f"{region} ({index + 1} of {len(pending)})")
+                record = adopt(self.synthesizer, request, self.backend, table=self.table,
+                               registry=self.registry)
+                event = AdoptionEvent(region, _shapes(request), str(request.output), len(nodes),
+                                      record)
+                self._tried[(request.structure_key(), _shapes(request))] = event
+                self._names[_gate_key(request)[0]] = region
+                self._verdicts[_gate_key(request)] = (
+                    None if record.adopted else f"{record.outcome.value}: {record.reason}")
+                self.events.append(event)
+                if record.adopted and record.runtime_id is not None:
+                    self.adopted.setdefault(record.runtime_id, request)
+                new.append(event)
         return new
 
     def gate(self):
@@ -199,12 +208,20 @@ class JitSession:
         from fuel.cost.paths import default_store_path
         from fuel.cost.store import JudgeStore
         from fuel.optimize.judge_arms import measure_branches
+        from fuel.progress import current
 
         judge = self.judge()
         known = lambda key: key[:5] in judge.measurements  # noqa: E731
-        rows = measure_branches(graph, branches, feeds, self.table, self.backend,
-                                weights=weights, runtime=self.registry, known=known,
-                                profile=self.profile, **self.profile_options)
+
+        def on_cell(index: int, total: int, key: tuple[str, ...]) -> None:
+            task.update(completed=index, total=total,
+                        description=f"Judge: timing {self._names.get(key[0], key[0])} "
+                                    f"({index + 1} of {total})")
+
+        with current().task("Judge: looking for unmeasured arm cells") as task:
+            rows = measure_branches(graph, branches, feeds, self.table, self.backend,
+                                    weights=weights, runtime=self.registry, known=known,
+                                    profile=self.profile, on_cell=on_cell, **self.profile_options)
         if not rows:
             return []
         with JudgeStore.open(self.store_path or default_store_path()) as store:

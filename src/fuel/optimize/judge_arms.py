@@ -57,6 +57,7 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
                      known: Callable[[tuple[str, ...]], bool] = lambda key: False,
                      profile: Callable[[tuple[str, ...], Callable[[], object]], Measurement]
                      | None = None,
+                     on_cell: Callable[[int, int, tuple[str, ...]], object] | None = None,
                      **profile_options) -> list[StoredMeasurement]:
     """Measure every arm node of ``branches`` whose Judge key is not ``known`` yet.
 
@@ -65,7 +66,8 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     measured once (the first in id order: every layer of a model repeats the same regions).
     ``runtime`` keys adopted kernels by their region (``providers.judge_key``); ``profile(key,
     call)`` times one cell (default :func:`~fuel.cost.profile_kernel` with ``profile_options``;
-    tests inject a forced measurement for chosen keys).
+    tests inject a forced measurement for chosen keys). ``on_cell(index, total, key)`` is told
+    before each cell is timed (the CLI's progress bar).
     """
     fingerprint, libraries = device_fingerprint(backend.value), library_versions()
     wanted: dict[tuple[str, ...], tuple[NodeId, str, str]] = {}
@@ -92,7 +94,9 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     if profile is None:
         def profile(key, call):
             return profile_kernel(call, **profile_options)
-    for key, (node_id, _, _) in sorted(wanted.items()):
+    for index, (key, (node_id, _, _)) in enumerate(sorted(wanted.items())):
+        if on_cell is not None:
+            on_cell(index, len(wanted), key)
         op, dtype, size_class, _, source = key
         node = graph.node(node_id)
         entry = table.lookup(op_key(node.op), key_dtypes(graph, node_id), backend,

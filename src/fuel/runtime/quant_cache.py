@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fuel.circuit.format import parse
+from fuel.progress import Listener, Task
 from fuel.runtime.gguf_loader import CorruptWeightsFile, UnsupportedGguf, WeightsFileMissing
 
 STORED_VERSION = 1
@@ -54,8 +55,9 @@ def stored_folder(path: Path, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "weights" / key
 
 
-def packed_tensors(model: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """``(tensors, formats)`` of a parsed GGUF: packed u8 rows for block types, f32 otherwise."""
+def packed_tensors(model: Any, task: Task | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(tensors, formats)`` of a parsed GGUF: packed u8 rows for block types, f32 otherwise
+    (``task`` advanced once per tensor)."""
     import numpy as np
     import torch
     from gguf import quants
@@ -88,14 +90,18 @@ def packed_tensors(model: Any) -> tuple[dict[str, Any], dict[str, str]]:
         elif ".self_attn.k_proj." in name:
             array = unpermute_rotary_rows(array, kv_heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+        if task is not None:
+            task.advance()
     return tensors, formats
 
 
-def convert_gguf_stored(path: str | Path, *, cache: Path | None = None) -> Path:
+def convert_gguf_stored(path: str | Path, *, cache: Path | None = None,
+                        progress: bool | Listener = True) -> Path:
     """Write the stored-format folder of a GGUF into the cache, once; return the folder. Like
     :func:`~fuel.runtime.weights.convert_gguf`: staged, checksummed at conversion
     (:mod:`fuel.runtime.cache_integrity`), verified before use, rebuilt when damaged (refused in
-    one line where the cache is read-only), and a full or read-only cache is one error line."""
+    one line where the cache is read-only), and a full or read-only cache is one error line.
+    ``progress`` is told about the conversion (:func:`fuel.progress.listener_of`)."""
     from safetensors.torch import save_file
 
     from fuel.runtime.cache_integrity import clean_stale_staging
@@ -113,7 +119,13 @@ def convert_gguf_stored(path: str | Path, *, cache: Path | None = None) -> Path:
     model = read_gguf(path)
     config = hf_config(model)
     tokenizer = tokenizer_from_gguf_metadata(model.metadata, source=str(path))
-    tensors, formats = packed_tensors(model)
+    from fuel.progress import listener_of
+
+    listener = listener_of(progress)
+    with listener.task(f"converting {path.name} (stored formats, once)",
+                       total=len(model._reader.tensors)) as task:
+        tensors, formats = packed_tensors(model, task)
+
     def fill(stage: Path) -> None:
         save_file(tensors, str(stage / "model.safetensors"), metadata={
             "format": "pt", "converted_from": path.name,
@@ -121,11 +133,13 @@ def convert_gguf_stored(path: str | Path, *, cache: Path | None = None) -> Path:
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save(stage)
 
-    write_cache_folder(final, fill)
+    with listener.task(f"writing {final.name} (checksummed)"):
+        write_cache_folder(final, fill)
     return final
 
 
-def load_stored(path: str | Path, *, cache: Path | None = None, progress: bool = True):
+def load_stored(path: str | Path, *, cache: Path | None = None,
+                progress: bool | Listener = True):
     """:class:`~fuel.runtime.weights.Weights` of a GGUF in its stored formats (``dtype`` STORED)."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
@@ -133,7 +147,7 @@ def load_stored(path: str | Path, *, cache: Path | None = None, progress: bool =
     from fuel.runtime.weights import DType, SourceKind, Weights, WeightsSource
 
     path = Path(path)
-    folder = convert_gguf_stored(path, cache=cache)
+    folder = convert_gguf_stored(path, cache=cache, progress=progress)
     target = folder / "model.safetensors"
     try:
         with safe_open(str(target), framework="pt") as handle:

@@ -53,6 +53,8 @@ from fuel.runtime.gguf_loader import CorruptWeightsFile, WeightsFileMissing
 if TYPE_CHECKING:
     import torch
 
+    from fuel.progress import Listener
+
 __all__ = [
     "CONVERTER_VERSION",
     "CacheWriteError",
@@ -254,12 +256,13 @@ def load_weights(
     *,
     dtype: DType | str = DType.F32,
     cache: Path | None = None,
-    progress: bool = True,
+    progress: bool | Listener = True,
 ) -> Weights:
     """Load weights from a GGUF file (converted once into the cache) or a checkpoint folder.
 
     ``source`` None means the default model. ``cache`` overrides :func:`cache_dir`. ``progress``
-    shows a progress bar on stderr while converting.
+    is told about a conversion (:func:`fuel.progress.listener_of`: ``True`` the installed
+    listener, the CLI's bar on a terminal; ``False`` nobody).
     """
     dtype = DType.parse(dtype)
     path = Path(source) if source is not None else default_model_path()
@@ -290,7 +293,8 @@ def converted_folder(path: Path, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "weights" / key
 
 
-def convert_gguf(path: str | Path, *, cache: Path | None = None, progress: bool = True) -> Path:
+def convert_gguf(path: str | Path, *, cache: Path | None = None,
+                 progress: bool | Listener = True) -> Path:
     """Convert a GGUF into a Hugging Face folder in the cache, once; return the folder.
 
     The folder holds ``config.json``, ``model.safetensors`` (float32), ``tokenizer.json`` and
@@ -384,19 +388,18 @@ def _usable_cache(final: Path) -> bool:
         return False
 
 
-def _dequantized_tensors(model: Any, progress: bool) -> dict[str, Any]:
+def _dequantized_tensors(model: Any, progress: bool | Listener) -> dict[str, Any]:
     import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fuel.progress import listener_of
 
     names = model.tensor_names()
     tensors: dict[str, torch.Tensor] = {}
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"converting {model.path.name}", total=len(names))
+    with listener_of(progress).task(f"converting {model.path.name} to f32 (once)",
+                                    total=len(names)) as task:
         for name, array in model.hf_tensors():
             tensors[name] = torch.from_numpy(array).contiguous()
-            bar.advance(task)
+            task.advance()
     return tensors
 
 
