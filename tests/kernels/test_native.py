@@ -1,7 +1,7 @@
 """The native CPU matmul kernels (``fuel.kernels.native``): every format equals the
 dequantize-then-matmul reference (the gguf package's dequantizer) within the JIT's f32 bound, on
-the streaming (decode) path and the tiled GEMM (prefill) path, on random blocks and on SmolLM2's
-own rows; the library shares torch's OpenMP runtime (one thread pool); a missing compiler is a
+the streaming (decode) path and the tiled GEMM (prefill) path, on random blocks (the K-quants
+q4_k/q5_k/q6_k on random super-blocks only: no GGUF here stores them) and on SmolLM2's own rows; the library shares torch's OpenMP runtime (one thread pool); a missing compiler is a
 reason, not a crash; and the CPU synthesizer answers quantized matmuls with it."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from fuel.kernels.quant_blocks import dequantize, packed_row_bytes, random_block
 
 TOLERANCE = RECIPE_TOLERANCE[DType.F32]
 LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16")
+K_LAYOUTS = ("q4_k", "q5_k", "q6_k")
+"""The K-quants: 256-weight super-blocks, so rows of 256 and 512 columns."""
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,31 @@ def test_every_format_equals_the_dequantized_reference(lib, layout, rows):
     assert check.ok, check.report
 
 
+@pytest.mark.parametrize("layout", K_LAYOUTS)
+@pytest.mark.parametrize("cols", [256, 512])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_every_k_quant_equals_the_dequantized_reference(lib, layout, cols, rows):
+    """Rows 1 and 3 stream the super-blocks (scales, mins, the min term by per-32 activation
+    sums); 37 dequantizes tiles for torch's GEMM. 70 features: not a multiple of 16."""
+    generator = torch.Generator().manual_seed(cols + rows)
+    w = random_blocks(layout, 70, cols, generator)
+    x = torch.randn(rows, cols, generator=generator)
+    want = x @ dequantize(w, layout, cols).T
+    check = verify(lib.matmul(layout, x, w, cols), want, TOLERANCE)
+    assert check.ok, check.report
+
+
+@pytest.mark.parametrize("layout", K_LAYOUTS)
+def test_k_quant_tiles_dequantize_exactly(lib, layout):
+    """The GEMM path's tiles are the reference's values bit for bit (every sub-block, every
+    scale packing: 8 super-blocks per row, 5 rows)."""
+    w = random_blocks(layout, 5, 2048, torch.Generator().manual_seed(11))
+    tile = torch.empty(5, 2048)
+    status = lib._lib.fuel_dequantize(native.FORMAT_CODES[layout], w.data_ptr(), tile.data_ptr(),
+                                      5, 2048, w.shape[1], 1)
+    assert status == 0 and torch.equal(tile, dequantize(w, layout, 2048))
+
+
 @pytest.mark.parametrize("dtype, name", [(torch.float32, "f32"), (torch.float16, "f16"),
                                          (torch.bfloat16, "bf16")])
 def test_dense_weights_multiply_as_they_are(lib, dtype, name):
@@ -61,6 +88,9 @@ def test_a_width_that_splits_a_block_is_refused(lib):
     w = torch.zeros(4, 18, dtype=torch.uint8)
     with pytest.raises(ValueError, match="q4_0 with 40 columns"):
         lib.matmul("q4_0", torch.zeros(1, 40), w, 40)
+    w = torch.zeros(4, 144, dtype=torch.uint8)  # a K-quant super-block holds 256, not 32
+    with pytest.raises(ValueError, match="q4_k with 288 columns"):
+        lib.matmul("q4_k", torch.zeros(1, 288), w, 288)
 
 
 def test_the_smollm2_rows_match_the_reference(lib):
@@ -121,28 +151,29 @@ def test_a_damaged_library_is_rebuilt(tmp_path):
     assert second["path"] == first["path"] and Path(second["path"]).read_bytes()[:4] == b"\x7fELF"
 
 
-def _quant_request(layout: str):
+def _quant_request(layout: str, cols: int = 128):
     from tests.jit.helpers import request_for
 
     graph = Graph()
-    x = graph.input("x", (1, 128), DType.F32)
-    w = graph.input("w", (64, packed_row_bytes(layout, 128)), DType.U8)
-    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, 128), x, w)
+    x = graph.input("x", (1, cols), DType.F32)
+    w = graph.input("w", (64, packed_row_bytes(layout, cols)), DType.U8)
+    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, cols), x, w)
     return request_for(graph, node)
 
 
-@pytest.mark.parametrize("layout", ["q4_1", "bf16"])
-def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, tmp_path):
+@pytest.mark.parametrize("layout, cols", [("q4_1", 128), ("bf16", 128), ("q4_k", 256),
+                                          ("q6_k", 256)])
+def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, cols, tmp_path):
     from fuel.jit.native_synth import KERNEL_SOURCE, CpuSynthesizer
 
     synth = CpuSynthesizer(cache_dir=tmp_path)
-    answer = synth.synthesize(_quant_request(layout))
+    answer = synth.synthesize(_quant_request(layout, cols))
     assert isinstance(answer, Synthesized) and answer.entry_point.startswith("native:")
     kernel = synth.take_kernel(answer.entry_point)
     assert kernel.kernel_source == KERNEL_SOURCE
-    w = random_blocks(layout, 64, 128, torch.Generator().manual_seed(1))
-    x = torch.randn(1, 128)
-    assert verify(kernel.run(x, w), x @ dequantize(w, layout, 128).T, TOLERANCE).ok
+    w = random_blocks(layout, 64, cols, torch.Generator().manual_seed(1))
+    x = torch.randn(1, cols)
+    assert verify(kernel.run(x, w), x @ dequantize(w, layout, cols).T, TOLERANCE).ok
 
 
 def test_layouts_the_library_lacks_go_to_numba(tmp_path):
@@ -151,9 +182,9 @@ def test_layouts_the_library_lacks_go_to_numba(tmp_path):
     synth = CpuSynthesizer(cache_dir=tmp_path)
     graph = Graph()
     x = graph.input("x", (1, 256), DType.F32)
-    w = graph.input("w", (4, packed_row_bytes("q6_k", 256)), DType.U8)
-    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear("q6_k", 256), x, w)
+    w = graph.input("w", (4, packed_row_bytes("q3_k", 256)), DType.U8)
+    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear("q3_k", 256), x, w)
     from tests.jit.helpers import request_for
 
     answer = synth.synthesize(request_for(graph, node))
-    assert isinstance(answer, Declined) and "gguf/q6_k" in answer.reason  # numba's own reason
+    assert isinstance(answer, Declined) and "gguf/q3_k" in answer.reason  # numba's own reason
