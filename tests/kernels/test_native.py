@@ -51,16 +51,29 @@ def test_every_format_equals_the_dequantized_reference(lib, layout, rows):
 
 @pytest.mark.parametrize("layout", K_LAYOUTS)
 @pytest.mark.parametrize("cols", [256, 512])
-@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("rows", [1, 3, 4, 37])
 def test_every_k_quant_equals_the_dequantized_reference(lib, layout, cols, rows):
-    """Rows 1 and 3 stream the super-blocks (scales, mins, the min term by per-32 activation
-    sums); 37 dequantizes tiles for torch's GEMM. 70 features: not a multiple of 16."""
+    """Rows 1, 3 and 4 stream the super-blocks (each sub-block decoded once for every row); 37
+    dequantizes tiles for torch's GEMM. 70 features: not a multiple of 16."""
     generator = torch.Generator().manual_seed(cols + rows)
     w = random_blocks(layout, 70, cols, generator)
     x = torch.randn(rows, cols, generator=generator)
     want = x @ dequantize(w, layout, cols).T
     check = verify(lib.matmul(layout, x, w, cols), want, TOLERANCE)
     assert check.ok, check.report
+
+
+@pytest.mark.parametrize("layout", K_LAYOUTS)
+def test_a_long_k_quant_stream_takes_its_rows_four_at_a_time(lib, layout):
+    """fuel_matmul itself streams any M (in passes of up to four rows): 7 = 4 + 3."""
+    generator = torch.Generator().manual_seed(7)
+    w = random_blocks(layout, 21, 768, generator)
+    x = torch.randn(7, 768, generator=generator)
+    out = torch.empty(7, 21)
+    status = lib._lib.fuel_matmul(native.FORMAT_CODES[layout], x.data_ptr(), w.data_ptr(),
+                                  out.data_ptr(), 7, 21, 768, w.shape[1], 1)
+    check = verify(out, x @ dequantize(w, layout, 768).T, TOLERANCE)
+    assert status == 0 and check.ok, check.report
 
 
 @pytest.mark.parametrize("layout", K_LAYOUTS)

@@ -31,10 +31,11 @@
    Activations stay f32 (no 8-bit rounding of x): each block's dot product is computed in f32
    from the dequantized-in-register weights, so a result equals the dequantize-then-matmul
    recipe within the rounding of a reordered f32 sum. For formats with an offset (m, or the -8
-   and -16 of the symmetric ones, the K-quants' -dmin*m_j) the offset times the block's (or
-   32-weight sub-block's) activation sum is added once per block, with the per-32 sums computed
-   once per activation row; q6_k's -32 is subtracted from the quants in register instead (its
-   scales cover 16 weights, the sums 32).
+   and -16 of the symmetric ones) the offset times the block's activation sum is added once per
+   block, with the per-32 sums computed once per activation row. The K-quants (AVX2) instead
+   decode each 32-weight sub-block to exactly the reference's f32 weights in register and use
+   them for up to four activation rows at once (dot_kquant_rows); their portable fallback takes
+   the activation-sum route (q6_k's -32 applied to the quants: its scales cover 16 weights).
 
    fuel_matmul streams each weight row once for all M activation rows (decode: M is a few rows);
    fuel_dequantize writes f32 rows for a GEMM library to multiply when M is large (prefill). */
@@ -268,34 +269,21 @@ INLINE __m256i kq_group(int fmt, const uint8_t *b, int g) {
     return q;
 }
 
-/* sum_j q_j x_j over 16 quants (bytes, unsigned or signed) and 16 activations: two chains. */
-INLINE __m256 dot16(int is_signed, __m128i q, const float *x) {
-    __m256 a = is_signed ? i8x8_to_ps(q) : u8x8_to_ps(q);
-    __m256 c = is_signed ? i8x8_to_ps(_mm_srli_si128(q, 8)) : u8x8_to_ps(_mm_srli_si128(q, 8));
-    return _mm256_fmadd_ps(c, _mm256_loadu_ps(x + 8), _mm256_mul_ps(a, _mm256_loadu_ps(x)));
-}
-
-/* One super-block's contribution to a dot product: acc += the scaled integer part (two
-   accumulators, alternating sub-blocks); returns the offset part (q4_k/q5_k: -dmin*m_j times the
-   sub-block's activation sum xs[j]; q6_k: 0, its -32 is applied to the quants). */
-INLINE float kq_dot(int fmt, const uint8_t *b, const float *x, const float *xs, __m256 acc[2]) {
-    float D[16], Mn[8], bias = 0.0f;
-    kq_scales(fmt, b, D, Mn);
-    #pragma GCC unroll 8
-    for (int g = 0; g < 8; g++) {
-        __m256i q = kq_group(fmt, b, g);
-        __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-        if (fmt == Q6_K) {
-            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(D[2 * g]), dot16(1, q0, x + 32 * g), acc[0]);
-            acc[1] = _mm256_fmadd_ps(_mm256_set1_ps(D[2 * g + 1]), dot16(1, q1, x + 32 * g + 16), acc[1]);
-        } else {
-            __m256 s = _mm256_add_ps(dot16(0, q0, x + 32 * g), dot16(0, q1, x + 32 * g + 16));
-            acc[g & 1] = _mm256_fmadd_ps(_mm256_set1_ps(D[g]), s, acc[g & 1]);
-        }
+/* The 32 weights of sub-block g as f32, exactly the reference's values: d*sc*q is exact in f32
+   (an f16 times a 6- or 8-bit scale times a 6-bit quant needs at most 24 bits), so the one
+   rounding of the fma is the reference's rounding of d*sc*q - dmin*m. */
+INLINE void kq_weights(int fmt, const uint8_t *b, int g, const float D[16], const float Mn[8],
+                       __m256 w[4]) {
+    __m256i q = kq_group(fmt, b, g);
+    __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int t = 0; t < 2; t++) {
+        __m256 d = _mm256_set1_ps(fmt == Q6_K ? D[2 * g + t] : D[g]);
+        __m256 m = _mm256_set1_ps(fmt == Q6_K ? 0.0f : Mn[g]);
+        __m256 a = fmt == Q6_K ? i8x8_to_ps(h[t]) : u8x8_to_ps(h[t]);
+        __m256 c = fmt == Q6_K ? i8x8_to_ps(_mm_srli_si128(h[t], 8)) : u8x8_to_ps(_mm_srli_si128(h[t], 8));
+        w[2 * t] = _mm256_fmadd_ps(a, d, m);
+        w[2 * t + 1] = _mm256_fmadd_ps(c, d, m);
     }
-    if (fmt != Q6_K)
-        for (int j = 0; j < 8; j++) bias += Mn[j] * xs[j];
-    return bias;
 }
 
 /* One super-block dequantized to 256 f32. */
@@ -304,17 +292,40 @@ INLINE void kq_dequant(int fmt, const uint8_t *b, float *dst) {
     kq_scales(fmt, b, D, Mn);
     #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
-        __m256i q = kq_group(fmt, b, g);
-        __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-        for (int t = 0; t < 2; t++) {
-            __m256 d = _mm256_set1_ps(fmt == Q6_K ? D[2 * g + t] : D[g]);
-            __m256 m = _mm256_set1_ps(fmt == Q6_K ? 0.0f : Mn[g]);
-            __m256 a = fmt == Q6_K ? i8x8_to_ps(h[t]) : u8x8_to_ps(h[t]);
-            __m256 c = fmt == Q6_K ? i8x8_to_ps(_mm_srli_si128(h[t], 8)) : u8x8_to_ps(_mm_srli_si128(h[t], 8));
-            _mm256_storeu_ps(dst + 32 * g + 16 * t, _mm256_fmadd_ps(a, d, m));
-            _mm256_storeu_ps(dst + 32 * g + 16 * t + 8, _mm256_fmadd_ps(c, d, m));
+        __m256 w[4];
+        kq_weights(fmt, b, g, D, Mn, w);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 32 * g + 8 * i, w[i]);
+    }
+}
+
+/* R (1..4) outputs of one K-quant row against R activation rows x + r*K (written to
+   out[r * N]): each sub-block is decoded to its f32 weights once and used for every row, so R
+   rows cost little more than one (re-decoding per row would cost R times). At R = 1 this is as
+   fast here as scaling integer dot products and adding the min term by activation sums, and
+   nearer the reference (its weights are the reference's, bit for bit). */
+INLINE void dot_kquant_rows(int fmt, const int R, const uint8_t *row, const float *x, int64_t K,
+                            float *out, int64_t N) {
+    const int bb = block_bytes(fmt);
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 256; b++) {
+        const uint8_t *p = row + b * bb;
+        float D[16], Mn[8];
+        kq_scales(fmt, p, D, Mn);
+        #pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m256 w[4];
+            kq_weights(fmt, p, g, D, Mn, w);
+            const float *xg = x + b * 256 + 32 * g;
+            for (int r = 0; r < R; r++) {
+                acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg + r * K), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + r * K + 8), acc[r][1]);
+                acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + r * K + 16), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + r * K + 24), acc[r][1]);
+            }
         }
     }
+    for (int r = 0; r < R; r++) out[r * N] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 #else
 INLINE void kq_dequant(int fmt, const uint8_t *b, float *dst) {
@@ -326,19 +337,13 @@ INLINE void kq_dequant(int fmt, const uint8_t *b, float *dst) {
 }
 #endif
 
-/* One output of a K-quant row: packed row `row` against activation row x (and its per-32 sums). */
+#ifndef __AVX2__
+/* One output of a K-quant row (portable build): packed row `row` against activation row x, the
+   q4_k/q5_k min term by x's per-32 sums xs. */
 INLINE float dot_kquant(int fmt, const uint8_t *row, const float *x, const float *xs, int64_t K) {
     const int bb = block_bytes(fmt);
-    const int64_t blocks = K / 256;
-    float bias = 0.0f;
-#ifdef __AVX2__
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < blocks; b++)
-        bias += kq_dot(fmt, row + b * bb, x + b * 256, xs + b * 8, acc);
-    return hsum(_mm256_add_ps(acc[0], acc[1])) + bias;
-#else
-    float D[16], Mn[8] = {0}, total = 0.0f; int32_t q[256];
-    for (int64_t b = 0; b < blocks; b++) {
+    float D[16], Mn[8] = {0}, total = 0.0f, bias = 0.0f; int32_t q[256];
+    for (int64_t b = 0; b < K / 256; b++) {
         kq_scales(fmt, row + b * bb, D, Mn);
         kq_ints(fmt, row + b * bb, q);
         const float *xb = x + b * 256;
@@ -351,8 +356,8 @@ INLINE float dot_kquant(int fmt, const uint8_t *row, const float *x, const float
             for (int j = 0; j < 8; j++) bias += Mn[j] * xs[b * 8 + j];
     }
     return total + bias;
-#endif
 }
+#endif
 
 /* Dequantize one packed row of K weights to f32. */
 INLINE void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
@@ -488,8 +493,22 @@ INLINE void tile_rows(const int fmt, const float *x, const uint8_t *w, float *ou
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
         if (block_elems(fmt) == 256 && block_bytes(fmt) > 0) {
+#ifdef __AVX2__
+            /* rows m .. m+R-1 in one pass over the weight rows; the loop's m advances by R */
+            const int R = M - m < 4 ? (int)(M - m) : 4;
+            for (int64_t n = n0; n < n1; n++) {
+                const uint8_t *wr = w + n * row_bytes;
+                float *o = out + m * N + n;
+                if (R == 1) dot_kquant_rows(fmt, 1, wr, xr, K, o, N);
+                else if (R == 2) dot_kquant_rows(fmt, 2, wr, xr, K, o, N);
+                else if (R == 3) dot_kquant_rows(fmt, 3, wr, xr, K, o, N);
+                else dot_kquant_rows(fmt, 4, wr, xr, K, o, N);
+            }
+            m += R - 1;
+#else
             for (int64_t n = n0; n < n1; n++)
                 out[m * N + n] = dot_kquant(fmt, w + n * row_bytes, xr, xs + m * (K / 32), K);
+#endif
         } else if (block_bytes(fmt) > 0) {
             for (int64_t n = n0; n < n1; n++)
                 out[m * N + n] = dot_quant(fmt, w + n * row_bytes, xr, xs + m * (K / 32), K);
@@ -508,7 +527,12 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
     if (quant && K % block_elems(fmt)) return -1;
     if (!quant && fmt != F32 && fmt != F16 && fmt != BF16) return -1;
     float *xs = NULL;
-    if (quant) {  /* per-block activation sums, once per row */
+#ifdef __AVX2__
+    const int sums = quant && block_elems(fmt) == 32;  /* the K-quants decode weights instead */
+#else
+    const int sums = quant;
+#endif
+    if (sums) {  /* per-32 activation sums, once per row */
         xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32) + 1));
         if (!xs) return -1;
         for (int64_t m = 0; m < M; m++)
