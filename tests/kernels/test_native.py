@@ -1,8 +1,9 @@
 """The native CPU matmul kernels (``fuel.kernels.native``): every format equals the
 dequantize-then-matmul reference (the gguf package's dequantizer) within the JIT's f32 bound, on
-the streaming (decode) path and the tiled GEMM (prefill) path, on random blocks (the K-quants
-q4_k/q5_k/q6_k on random super-blocks only: no GGUF here stores them) and on SmolLM2's own rows; the library shares torch's OpenMP runtime (one thread pool); a missing compiler is a
-reason, not a crash; and the CPU synthesizer answers quantized matmuls with it."""
+the streaming (decode) path and the tiled GEMM (prefill) path, on random blocks and on SmolLM2's
+own rows (no GGUF here stores K-quants: its weights are re-quantized to q4_k/q5_k/q6_k); the
+library shares torch's OpenMP runtime (one thread pool); a missing compiler is a reason, not a
+crash; and the CPU synthesizer answers quantized matmuls with it."""
 
 from __future__ import annotations
 
@@ -117,6 +118,86 @@ def test_the_smollm2_rows_match_the_reference(lib):
         w = torch.from_numpy(tensors[name].data[:700].copy())
         check = verify(lib.matmul(layout, x, w, 576), x @ dequantize(w, layout, 576).T, TOLERANCE)
         assert check.ok, f"{name}: {check.report}"
+
+
+@pytest.mark.parametrize("layout", K_LAYOUTS)
+def test_k_quants_of_smollm2_weights_match_the_reference(lib, layout):
+    """No GGUF here stores K-quants, so SmolLM2's own ffn_down rows (K = 1536) are quantized to
+    each K-quant: a trained model's value distribution (outliers included) through the kernels."""
+    from gguf import GGUFReader
+
+    from fuel.runtime.weights import default_model_path
+
+    tensor = {t.name: t for t in GGUFReader(default_model_path()).tensors}["blk.0.ffn_down.weight"]
+    values = dequantize(torch.from_numpy(tensor.data[:300].copy()), "q4_1", 1536)  # 300 rows
+    w = torch.from_numpy(_pack_k_quant(values.numpy(), layout))
+    reference = dequantize(w, layout, 1536)
+    # the packing is right: the reference dequantizer gives the weights back to quantization error
+    assert float((reference - values).pow(2).mean().sqrt()) < 0.1 * float(values.std())
+    for rows in (1, 3, 37):
+        x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+        check = verify(lib.matmul(layout, x, w, 1536), x @ reference.T, TOLERANCE)
+        assert check.ok, f"{rows} rows: {check.report}"
+
+
+def _pack_k_quant(values, layout):
+    """Packed rows of f32 ``[rows, cols]`` values as q4_k/q5_k/q6_k super-blocks (numpy): a plain
+    round-to-nearest quantizer, scales rounded up (no search for the best scales, as llama.cpp
+    does), enough to give the kernels a trained model's value distribution. The gguf package has
+    no K-quant quantizer; its dequantizer judges this one's packing."""
+    import numpy as np
+
+    rows, cols = values.shape
+    blocks = values.astype(np.float32).reshape(-1, 8, 32) if layout != "q6_k" else \
+        values.astype(np.float32).reshape(-1, 16, 16)
+    n = blocks.shape[0]
+
+    def f16(a):
+        return a.astype(np.float16)
+
+    if layout == "q6_k":
+        group_scale = np.abs(blocks).max(axis=-1) / 31.0                       # [n, 16]
+        d = f16(group_scale.max(axis=-1) / 127.0)                             # [n]
+        df = d.astype(np.float32)[:, None]
+        sc = np.clip(np.ceil(np.divide(group_scale, df, out=np.zeros_like(group_scale),
+                                        where=df > 0)), -128, 127).astype(np.int8)
+        step = (df * sc.astype(np.float32))[..., None]                        # [n, 16, 1]
+        q = np.clip(np.round(np.divide(blocks, step, out=np.zeros_like(blocks), where=step > 0)),
+                    -32, 31).astype(np.int32) + 32
+        q = q.reshape(n, 2, 4, 32)                                            # half h, s, l
+        ql = np.zeros((n, 2, 2, 32), np.uint8)                                # half, s & 1, l
+        ql |= (q[:, :, 0:2] & 15).astype(np.uint8)
+        ql |= ((q[:, :, 2:4] & 15) << 4).astype(np.uint8)
+        qh = np.zeros((n, 2, 32), np.uint8)
+        for s in range(4):
+            qh |= (((q[:, :, s] >> 4) & 3) << (2 * s)).astype(np.uint8)
+        packed = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8),
+                                 d.reshape(n, 1).view(np.uint8)], axis=1)
+        return packed.reshape(rows, -1)
+    qmax = 15 if layout == "q4_k" else 31
+    low = np.minimum(blocks.min(axis=-1), 0.0)                                # [n, 8]
+    scale = (blocks.max(axis=-1) - low) / qmax
+    d, dmin = f16(scale.max(axis=-1) / 63.0), f16((-low).max(axis=-1) / 63.0)
+    df, mf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.ceil(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)),
+                 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-low, mf, out=np.zeros_like(low), where=mf > 0)),
+                 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(blocks + (mf * mn)[..., None], step, out=np.zeros_like(blocks),
+                                   where=step > 0)), 0, qmax).astype(np.uint8)  # [n, 8, 32]
+    scales = np.zeros((n, 12), np.uint8)
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(n, 128)
+    parts = [d.reshape(n, 1).view(np.uint8), dmin.reshape(n, 1).view(np.uint8), scales]
+    if layout == "q5_k":
+        qh = np.zeros((n, 32), np.uint8)
+        for j in range(8):
+            qh |= ((q[:, j] >> 4) & 1) << j
+        parts.append(qh)
+    return np.concatenate(parts + [qs], axis=1).reshape(rows, -1)
 
 
 def _child(code: str, env: dict[str, str]) -> dict:
