@@ -199,6 +199,26 @@ INLINE void kq_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 /* A super-block's scales: q4_k/q5_k: D[j] = d*sc_j and Mn[j] = -dmin*m_j per 32 weights;
    q6_k: D[g] = d*sc_g per 16 weights, no offset. */
 INLINE void kq_scales(int fmt, const uint8_t *b, float D[16], float Mn[8]) {
+#ifdef __AVX2__
+    /* Eight lanes at once (the scalar decode below cost a third of a super-block's dot). */
+    if (fmt == Q6_K) {
+        const __m256 d = _mm256_set1_ps(half_to_float(rd16(b + 208)));
+        _mm256_storeu_ps(D, _mm256_mul_ps(d, i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(b + 192)))));
+        _mm256_storeu_ps(D + 8, _mm256_mul_ps(d, i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(b + 200)))));
+        return;
+    }
+    /* scales[12] as three u32 a, c, e: sc0..3 = a & 63, m0..3 = c & 63 (per byte); sc4..7 = e's
+       low nibbles topped by a's bits 6-7, m4..7 = e's high nibbles topped by c's bits 6-7. */
+    const uint32_t a = rd32(b + 4), c = rd32(b + 8), e = rd32(b + 12);
+    const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top = 0x30303030u;
+    const uint64_t sc = (uint64_t)(a & six) | (uint64_t)((e & nib) | ((a >> 2) & top)) << 32;
+    const uint64_t mn = (uint64_t)(c & six) | (uint64_t)(((e >> 4) & nib) | ((c >> 2) & top)) << 32;
+    _mm256_storeu_ps(D, _mm256_mul_ps(_mm256_set1_ps(half_to_float(rd16(b))),
+                                      u8x8_to_ps(_mm_cvtsi64_si128((long long)sc))));
+    _mm256_storeu_ps(Mn, _mm256_mul_ps(_mm256_set1_ps(-half_to_float(rd16(b + 2))),
+                                       u8x8_to_ps(_mm_cvtsi64_si128((long long)mn))));
+    return;
+#endif
     if (fmt == Q6_K) {
         const float d = half_to_float(rd16(b + 208));
         const int8_t *sc = (const int8_t *)(b + 192);
