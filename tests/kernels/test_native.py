@@ -140,6 +140,35 @@ def test_k_quants_of_smollm2_weights_match_the_reference(lib, layout):
         assert check.ok, f"{rows} rows: {check.report}"
 
 
+def test_the_portable_build_equals_the_reference(tmp_path):
+    """gemv.c without ``-march=native`` (baseline x86-64: no AVX2, no F16C) takes the portable
+    C paths, which a machine with AVX2 never runs otherwise: every format, streamed and tiled."""
+    import ctypes
+    import platform
+    import shutil
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    openmp = native._torch_openmp()
+    if platform.machine() != "x86_64" or compiler is None or openmp is None:
+        pytest.skip("the baseline build is checked on x86-64 with a C compiler and torch's libgomp")
+    target = tmp_path / "portable.so"
+    flags = [f for f in native.FLAGS if not f.startswith("-march")]
+    done = subprocess.run([compiler, *flags, str(native.SOURCE), "-o", str(target),
+                           f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    portable = native.NativeKernels(ctypes.CDLL(str(target)), target, compiler)
+    generator = torch.Generator().manual_seed(9)
+    for layout in LAYOUTS + K_LAYOUTS:
+        cols = 512 if layout in K_LAYOUTS else 224
+        w = random_blocks(layout, 37, cols, generator)
+        reference = dequantize(w, layout, cols)
+        for rows in (1, 3, 6):  # 6 > STREAM_ROWS: the dequantized tiles
+            x = torch.randn(rows, cols, generator=generator)
+            check = verify(portable.matmul(layout, x, w, cols), x @ reference.T, TOLERANCE)
+            assert check.ok, f"{layout}, {rows} rows: {check.report}"
+
+
 def _pack_k_quant(values, layout):
     """Packed rows of f32 ``[rows, cols]`` values as q4_k/q5_k/q6_k super-blocks (numpy): a plain
     round-to-nearest quantizer, scales rounded up (no search for the best scales, as llama.cpp
