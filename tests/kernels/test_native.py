@@ -153,8 +153,8 @@ def test_the_portable_build_equals_the_reference(tmp_path):
         pytest.skip("the baseline build is checked on x86-64 with a C compiler and torch's libgomp")
     target = tmp_path / "portable.so"
     flags = [f for f in native.FLAGS if not f.startswith("-march")]
-    done = subprocess.run([compiler, *flags, str(native.SOURCE), "-o", str(target),
-                           f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"],
+    link = [f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
+    done = subprocess.run([compiler, *flags, str(native.SOURCE), "-o", str(target), *link],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     portable = native.NativeKernels(ctypes.CDLL(str(target)), target, compiler)
