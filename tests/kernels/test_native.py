@@ -1,8 +1,9 @@
 """The native CPU matmul kernels (``fuel.kernels.native``): every format equals the
 dequantize-then-matmul reference (the gguf package's dequantizer) within the JIT's f32 bound, on
 the streaming (decode) path and the tiled GEMM (prefill) path, on random blocks and on SmolLM2's
-own rows; the library shares torch's OpenMP runtime (one thread pool); a missing compiler is a
-reason, not a crash; and the CPU synthesizer answers quantized matmuls with it."""
+own rows (no GGUF here stores K-quants: its weights are re-quantized to q4_k/q5_k/q6_k); the
+library shares torch's OpenMP runtime (one thread pool); a missing compiler is a reason, not a
+crash; and the CPU synthesizer answers quantized matmuls with it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from fuel.kernels.quant_blocks import dequantize, packed_row_bytes, random_block
 
 TOLERANCE = RECIPE_TOLERANCE[DType.F32]
 LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16")
+K_LAYOUTS = ("q4_k", "q5_k", "q6_k")
+"""The K-quants: 256-weight super-blocks, so rows of 256 and 512 columns."""
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,44 @@ def test_every_format_equals_the_dequantized_reference(lib, layout, rows):
     assert check.ok, check.report
 
 
+@pytest.mark.parametrize("layout", K_LAYOUTS)
+@pytest.mark.parametrize("cols", [256, 512])
+@pytest.mark.parametrize("rows", [1, 3, 4, 37])
+def test_every_k_quant_equals_the_dequantized_reference(lib, layout, cols, rows):
+    """Rows 1, 3 and 4 stream the super-blocks (each sub-block decoded once for every row); 37
+    dequantizes tiles for torch's GEMM. 70 features: not a multiple of 16."""
+    generator = torch.Generator().manual_seed(cols + rows)
+    w = random_blocks(layout, 70, cols, generator)
+    x = torch.randn(rows, cols, generator=generator)
+    want = x @ dequantize(w, layout, cols).T
+    check = verify(lib.matmul(layout, x, w, cols), want, TOLERANCE)
+    assert check.ok, check.report
+
+
+@pytest.mark.parametrize("layout", K_LAYOUTS)
+def test_a_long_k_quant_stream_takes_its_rows_four_at_a_time(lib, layout):
+    """fuel_matmul itself streams any M (in passes of up to four rows): 7 = 4 + 3."""
+    generator = torch.Generator().manual_seed(7)
+    w = random_blocks(layout, 21, 768, generator)
+    x = torch.randn(7, 768, generator=generator)
+    out = torch.empty(7, 21)
+    status = lib._lib.fuel_matmul(native.FORMAT_CODES[layout], x.data_ptr(), w.data_ptr(),
+                                  out.data_ptr(), 7, 21, 768, w.shape[1], 1)
+    check = verify(out, x @ dequantize(w, layout, 768).T, TOLERANCE)
+    assert status == 0 and check.ok, check.report
+
+
+@pytest.mark.parametrize("layout", K_LAYOUTS)
+def test_k_quant_tiles_dequantize_exactly(lib, layout):
+    """The GEMM path's tiles are the reference's values bit for bit (every sub-block, every
+    scale packing: 8 super-blocks per row, 5 rows)."""
+    w = random_blocks(layout, 5, 2048, torch.Generator().manual_seed(11))
+    tile = torch.empty(5, 2048)
+    status = lib._lib.fuel_dequantize(native.FORMAT_CODES[layout], w.data_ptr(), tile.data_ptr(),
+                                      5, 2048, w.shape[1], 1)
+    assert status == 0 and torch.equal(tile, dequantize(w, layout, 2048))
+
+
 @pytest.mark.parametrize("dtype, name", [(torch.float32, "f32"), (torch.float16, "f16"),
                                          (torch.bfloat16, "bf16")])
 def test_dense_weights_multiply_as_they_are(lib, dtype, name):
@@ -61,6 +102,9 @@ def test_a_width_that_splits_a_block_is_refused(lib):
     w = torch.zeros(4, 18, dtype=torch.uint8)
     with pytest.raises(ValueError, match="q4_0 with 40 columns"):
         lib.matmul("q4_0", torch.zeros(1, 40), w, 40)
+    w = torch.zeros(4, 144, dtype=torch.uint8)  # a K-quant super-block holds 256, not 32
+    with pytest.raises(ValueError, match="q4_k with 288 columns"):
+        lib.matmul("q4_k", torch.zeros(1, 288), w, 288)
 
 
 def test_the_smollm2_rows_match_the_reference(lib):
@@ -74,6 +118,115 @@ def test_the_smollm2_rows_match_the_reference(lib):
         w = torch.from_numpy(tensors[name].data[:700].copy())
         check = verify(lib.matmul(layout, x, w, 576), x @ dequantize(w, layout, 576).T, TOLERANCE)
         assert check.ok, f"{name}: {check.report}"
+
+
+@pytest.mark.parametrize("layout", K_LAYOUTS)
+def test_k_quants_of_smollm2_weights_match_the_reference(lib, layout):
+    """No GGUF here stores K-quants, so SmolLM2's own ffn_down rows (K = 1536) are quantized to
+    each K-quant: a trained model's value distribution (outliers included) through the kernels."""
+    from gguf import GGUFReader
+
+    from fuel.runtime.weights import default_model_path
+
+    tensor = {t.name: t for t in GGUFReader(default_model_path()).tensors}["blk.0.ffn_down.weight"]
+    values = dequantize(torch.from_numpy(tensor.data[:300].copy()), "q4_1", 1536)  # 300 rows
+    w = torch.from_numpy(_pack_k_quant(values.numpy(), layout))
+    reference = dequantize(w, layout, 1536)
+    # the packing is right: the reference dequantizer gives the weights back to quantization error
+    assert float((reference - values).pow(2).mean().sqrt()) < 0.1 * float(values.std())
+    for rows in (1, 3, 37):
+        x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+        check = verify(lib.matmul(layout, x, w, 1536), x @ reference.T, TOLERANCE)
+        assert check.ok, f"{rows} rows: {check.report}"
+
+
+def test_the_portable_build_equals_the_reference(tmp_path):
+    """gemv.c without ``-march=native`` (baseline x86-64: no AVX2, no F16C) takes the portable
+    C paths, which a machine with AVX2 never runs otherwise: every format, streamed and tiled."""
+    import ctypes
+    import platform
+    import shutil
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    openmp = native._torch_openmp()
+    if platform.machine() != "x86_64" or compiler is None or openmp is None:
+        pytest.skip("the baseline build is checked on x86-64 with a C compiler and torch's libgomp")
+    target = tmp_path / "portable.so"
+    flags = [f for f in native.FLAGS if not f.startswith("-march")]
+    link = [f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
+    done = subprocess.run([compiler, *flags, str(native.SOURCE), "-o", str(target), *link],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    portable = native.NativeKernels(ctypes.CDLL(str(target)), target, compiler)
+    generator = torch.Generator().manual_seed(9)
+    for layout in LAYOUTS + K_LAYOUTS:
+        cols = 512 if layout in K_LAYOUTS else 224
+        w = random_blocks(layout, 37, cols, generator)
+        reference = dequantize(w, layout, cols)
+        for rows in (1, 3, 6):  # 6 > STREAM_ROWS: the dequantized tiles
+            x = torch.randn(rows, cols, generator=generator)
+            check = verify(portable.matmul(layout, x, w, cols), x @ reference.T, TOLERANCE)
+            assert check.ok, f"{layout}, {rows} rows: {check.report}"
+
+
+def _pack_k_quant(values, layout):
+    """Packed rows of f32 ``[rows, cols]`` values as q4_k/q5_k/q6_k super-blocks (numpy): a plain
+    round-to-nearest quantizer, scales rounded up (no search for the best scales, as llama.cpp
+    does), enough to give the kernels a trained model's value distribution. The gguf package has
+    no K-quant quantizer; its dequantizer judges this one's packing."""
+    import numpy as np
+
+    rows, cols = values.shape
+    blocks = values.astype(np.float32).reshape(-1, 8, 32) if layout != "q6_k" else \
+        values.astype(np.float32).reshape(-1, 16, 16)
+    n = blocks.shape[0]
+
+    def f16(a):
+        return a.astype(np.float16)
+
+    if layout == "q6_k":
+        group_scale = np.abs(blocks).max(axis=-1) / 31.0                       # [n, 16]
+        d = f16(group_scale.max(axis=-1) / 127.0)                             # [n]
+        df = d.astype(np.float32)[:, None]
+        sc = np.clip(np.ceil(np.divide(group_scale, df, out=np.zeros_like(group_scale),
+                                        where=df > 0)), -128, 127).astype(np.int8)
+        step = (df * sc.astype(np.float32))[..., None]                        # [n, 16, 1]
+        q = np.clip(np.round(np.divide(blocks, step, out=np.zeros_like(blocks), where=step > 0)),
+                    -32, 31).astype(np.int32) + 32
+        q = q.reshape(n, 2, 4, 32)                                            # half h, s, l
+        ql = np.zeros((n, 2, 2, 32), np.uint8)                                # half, s & 1, l
+        ql |= (q[:, :, 0:2] & 15).astype(np.uint8)
+        ql |= ((q[:, :, 2:4] & 15) << 4).astype(np.uint8)
+        qh = np.zeros((n, 2, 32), np.uint8)
+        for s in range(4):
+            qh |= (((q[:, :, s] >> 4) & 3) << (2 * s)).astype(np.uint8)
+        packed = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8),
+                                 d.reshape(n, 1).view(np.uint8)], axis=1)
+        return packed.reshape(rows, -1)
+    qmax = 15 if layout == "q4_k" else 31
+    low = np.minimum(blocks.min(axis=-1), 0.0)                                # [n, 8]
+    scale = (blocks.max(axis=-1) - low) / qmax
+    d, dmin = f16(scale.max(axis=-1) / 63.0), f16((-low).max(axis=-1) / 63.0)
+    df, mf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.ceil(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)),
+                 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-low, mf, out=np.zeros_like(low), where=mf > 0)),
+                 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(blocks + (mf * mn)[..., None], step, out=np.zeros_like(blocks),
+                                   where=step > 0)), 0, qmax).astype(np.uint8)  # [n, 8, 32]
+    scales = np.zeros((n, 12), np.uint8)
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(n, 128)
+    parts = [d.reshape(n, 1).view(np.uint8), dmin.reshape(n, 1).view(np.uint8), scales]
+    if layout == "q5_k":
+        qh = np.zeros((n, 32), np.uint8)
+        for j in range(8):
+            qh |= ((q[:, j] >> 4) & 1) << j
+        parts.append(qh)
+    return np.concatenate(parts + [qs], axis=1).reshape(rows, -1)
 
 
 def _child(code: str, env: dict[str, str]) -> dict:
@@ -121,28 +274,29 @@ def test_a_damaged_library_is_rebuilt(tmp_path):
     assert second["path"] == first["path"] and Path(second["path"]).read_bytes()[:4] == b"\x7fELF"
 
 
-def _quant_request(layout: str):
+def _quant_request(layout: str, cols: int = 128):
     from tests.jit.helpers import request_for
 
     graph = Graph()
-    x = graph.input("x", (1, 128), DType.F32)
-    w = graph.input("w", (64, packed_row_bytes(layout, 128)), DType.U8)
-    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, 128), x, w)
+    x = graph.input("x", (1, cols), DType.F32)
+    w = graph.input("w", (64, packed_row_bytes(layout, cols)), DType.U8)
+    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, cols), x, w)
     return request_for(graph, node)
 
 
-@pytest.mark.parametrize("layout", ["q4_1", "bf16"])
-def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, tmp_path):
+@pytest.mark.parametrize("layout, cols", [("q4_1", 128), ("bf16", 128), ("q4_k", 256),
+                                          ("q6_k", 256)])
+def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, cols, tmp_path):
     from fuel.jit.native_synth import KERNEL_SOURCE, CpuSynthesizer
 
     synth = CpuSynthesizer(cache_dir=tmp_path)
-    answer = synth.synthesize(_quant_request(layout))
+    answer = synth.synthesize(_quant_request(layout, cols))
     assert isinstance(answer, Synthesized) and answer.entry_point.startswith("native:")
     kernel = synth.take_kernel(answer.entry_point)
     assert kernel.kernel_source == KERNEL_SOURCE
-    w = random_blocks(layout, 64, 128, torch.Generator().manual_seed(1))
-    x = torch.randn(1, 128)
-    assert verify(kernel.run(x, w), x @ dequantize(w, layout, 128).T, TOLERANCE).ok
+    w = random_blocks(layout, 64, cols, torch.Generator().manual_seed(1))
+    x = torch.randn(1, cols)
+    assert verify(kernel.run(x, w), x @ dequantize(w, layout, cols).T, TOLERANCE).ok
 
 
 def test_layouts_the_library_lacks_go_to_numba(tmp_path):
@@ -151,9 +305,9 @@ def test_layouts_the_library_lacks_go_to_numba(tmp_path):
     synth = CpuSynthesizer(cache_dir=tmp_path)
     graph = Graph()
     x = graph.input("x", (1, 256), DType.F32)
-    w = graph.input("w", (4, packed_row_bytes("q6_k", 256)), DType.U8)
-    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear("q6_k", 256), x, w)
+    w = graph.input("w", (4, packed_row_bytes("q3_k", 256)), DType.U8)
+    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear("q3_k", 256), x, w)
     from tests.jit.helpers import request_for
 
     answer = synth.synthesize(request_for(graph, node))
-    assert isinstance(answer, Declined) and "gguf/q6_k" in answer.reason  # numba's own reason
+    assert isinstance(answer, Declined) and "gguf/q3_k" in answer.reason  # numba's own reason

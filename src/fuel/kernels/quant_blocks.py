@@ -39,8 +39,9 @@ matrices in ``--dtype stored``): one element per 2-byte "block", no scale. Their
 matmul is the native kernel's (f32 accumulation); the dequantize arm widens them to f32."""
 
 KERNEL_LAYOUTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-"""Block layouts with a synthesized quantized-matmul kernel (``fuel.jit.quant_gemv``); the other
-block layouts run their dequantized arm only."""
+"""Block layouts with a numba quantized-matmul template (``fuel.jit.quant_gemv``). On CPU the
+native library (``fuel.kernels.native.QUANT_LAYOUTS``: these, the K-quants q4_k/q5_k/q6_k and
+the half layouts) answers first; a layout in neither runs its dequantized arm only."""
 
 
 class UnsupportedTensorType(FuelError):

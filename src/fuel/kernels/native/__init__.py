@@ -44,10 +44,12 @@ SOURCE = Path(__file__).with_name("gemv.c")
 FORMAT_CODES: dict[str, int] = {
     "f32": 0, "f16": 1, "bf16": 2,
     "q4_0": 10, "q4_1": 11, "q5_0": 12, "q5_1": 13, "q8_0": 14,
+    "q4_k": 15, "q5_k": 16, "q6_k": 17,
 }
 """The weight formats the library multiplies (GGUF block layouts by their llama.cpp names)."""
 
-QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16"})
+QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
+                           "f16", "bf16"})
 """The packed layouts a ``quant_linear`` region may carry that the library multiplies (GGUF
 blocks, and 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``)."""
 

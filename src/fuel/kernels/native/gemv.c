@@ -14,12 +14,28 @@
        q8_0: f16 d, 32 int8                      w = d * q
      nibble j (0..15) of a block is its byte j's low half, element 16 + j the high half; the
      fifth bit of element j is bit j of the u32.
+   - GGUF K-quant super-blocks of 256 weights, eight sub-blocks of 32 (llama.cpp's block_q4_K,
+     block_q5_K, block_q6_K, read as is):
+       q4_k (144 bytes): f16 d, f16 dmin, scales[12], qs[128]
+       q5_k (176 bytes): f16 d, f16 dmin, scales[12], qh[32], qs[128]
+            sub-block j has a 6-bit scale sc_j and 6-bit min m_j packed in scales[12] (j < 4:
+            the low 6 bits of bytes j and j + 4; j >= 4: byte j + 4's low (scale) and high (min)
+            nibbles, topped by the 2 high bits of bytes j - 4 and j); w = d*sc_j * q - dmin*m_j.
+            Sub-blocks 2i and 2i+1 are the low and high nibbles of qs[32i .. 32i+31]; q5_k's
+            fifth bit of element l of sub-block j is bit j of qh[l].
+       q6_k (210 bytes): ql[128], qh[64], int8 scales[16], f16 d (at the end); w = d*sc_g * (q - 32)
+            with one scale per 16 weights. Each half h (128 weights) reads ql[64h ..], qh[32h ..]:
+            element 32s + l (s = 0..3, l = 0..31) has low nibble ql[64h + 32(s&1) + l] >> 4(s>>1)
+            and high two bits (qh[32h + l] >> 2s) & 3.
 
    Activations stay f32 (no 8-bit rounding of x): each block's dot product is computed in f32
    from the dequantized-in-register weights, so a result equals the dequantize-then-matmul
    recipe within the rounding of a reordered f32 sum. For formats with an offset (m, or the -8
    and -16 of the symmetric ones) the offset times the block's activation sum is added once per
-   block, with the sums computed once per activation row.
+   block, with the per-32 sums computed once per activation row. The K-quants (AVX2) instead
+   decode each 32-weight sub-block to exactly the reference's f32 weights in register and use
+   them for up to four activation rows at once (dot_kquant_rows); their portable fallback takes
+   the activation-sum route (q6_k's -32 applied to the quants: its scales cover 16 weights).
 
    fuel_matmul streams each weight row once for all M activation rows (decode: M is a few rows);
    fuel_dequantize writes f32 rows for a GEMM library to multiply when M is large (prefill). */
@@ -33,7 +49,8 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14 };
+enum { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14,
+       Q4_K = 15, Q5_K = 16, Q6_K = 17 };
 
 static inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -63,9 +80,13 @@ static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); re
 INLINE int block_bytes(int fmt) {
     switch (fmt) {
     case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
-    case Q8_0: return 34; default: return 0;
+    case Q8_0: return 34; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+    default: return 0;
     }
 }
+
+/* Weights per block: 256 for the K-quant super-blocks, 32 for the other block formats. */
+INLINE int block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? 256 : 32; }
 
 /* The 32 quants of a block as small integers q (before scale/offset), and the block's scale d
    and offset m such that w = d * q + m. */
@@ -164,12 +185,210 @@ INLINE void block_unpack(int fmt, const uint8_t *b, __m256 q[4]) {
 }
 #endif
 
+/* ---- K-quants (q4_k, q5_k, q6_k): 256-weight super-blocks ---------------------------------- */
+
+/* Sub-block j's 6-bit scale and min from a q4_k/q5_k scales[12]. */
+INLINE void kq_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) { *sc = s[j] & 63; *mn = s[j + 4] & 63; }
+    else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* A super-block's scales: q4_k/q5_k: D[j] = d*sc_j and Mn[j] = -dmin*m_j per 32 weights;
+   q6_k: D[g] = d*sc_g per 16 weights, no offset. */
+INLINE void kq_scales(int fmt, const uint8_t *b, float D[16], float Mn[8]) {
+#ifdef __AVX2__
+    /* Eight lanes at once (the scalar decode below cost a third of a super-block's dot). */
+    if (fmt == Q6_K) {
+        const __m256 d = _mm256_set1_ps(half_to_float(rd16(b + 208)));
+        _mm256_storeu_ps(D, _mm256_mul_ps(d, i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(b + 192)))));
+        _mm256_storeu_ps(D + 8, _mm256_mul_ps(d, i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(b + 200)))));
+        return;
+    }
+    /* scales[12] as three u32 a, c, e: sc0..3 = a & 63, m0..3 = c & 63 (per byte); sc4..7 = e's
+       low nibbles topped by a's bits 6-7, m4..7 = e's high nibbles topped by c's bits 6-7. */
+    const uint32_t a = rd32(b + 4), c = rd32(b + 8), e = rd32(b + 12);
+    const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top = 0x30303030u;
+    const uint64_t sc = (uint64_t)(a & six) | (uint64_t)((e & nib) | ((a >> 2) & top)) << 32;
+    const uint64_t mn = (uint64_t)(c & six) | (uint64_t)(((e >> 4) & nib) | ((c >> 2) & top)) << 32;
+    _mm256_storeu_ps(D, _mm256_mul_ps(_mm256_set1_ps(half_to_float(rd16(b))),
+                                      u8x8_to_ps(_mm_cvtsi64_si128((long long)sc))));
+    _mm256_storeu_ps(Mn, _mm256_mul_ps(_mm256_set1_ps(-half_to_float(rd16(b + 2))),
+                                       u8x8_to_ps(_mm_cvtsi64_si128((long long)mn))));
+    return;
+#endif
+    if (fmt == Q6_K) {
+        const float d = half_to_float(rd16(b + 208));
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int g = 0; g < 16; g++) D[g] = d * (float)sc[g];
+        return;
+    }
+    const float d = half_to_float(rd16(b)), dmin = half_to_float(rd16(b + 2));
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        kq_scale_min(b + 4, j, &sc, &mn);
+        D[j] = d * (float)sc;
+        Mn[j] = -(dmin * (float)mn);
+    }
+}
+
+/* The 256 quants of a super-block as integers (q6_k's already less 32), in element order. */
+INLINE void kq_ints(int fmt, const uint8_t *b, int32_t q[256]) {
+    if (fmt == Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            for (int l = 0; l < 32; l++) {
+                q[128 * h + l] = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+                q[128 * h + 32 + l] = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                q[128 * h + 64 + l] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                q[128 * h + 96 + l] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            }
+        }
+        return;
+    }
+    const uint8_t *qs = b + (fmt == Q5_K ? 48 : 16), *qh = b + 16;
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 32; l++) {
+            int lo = qs[32 * i + l] & 15, hi = qs[32 * i + l] >> 4;
+            if (fmt == Q5_K) {
+                lo |= ((qh[l] >> (2 * i)) & 1) << 4;
+                hi |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
+            }
+            q[64 * i + l] = lo;
+            q[64 * i + 32 + l] = hi;
+        }
+}
+
+#ifdef __AVX2__
+/* The 32 quants of sub-block g (weights 32g .. 32g+31) as bytes: unsigned 0..31 for q4_k/q5_k,
+   signed -32..31 for q6_k. `g` is a constant once the callers' loops are unrolled. */
+INLINE __m256i kq_group(int fmt, const uint8_t *b, int g) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (fmt == Q6_K) {
+        const int h = g >> 2, s = g & 3;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        __m256i lo = _mm256_and_si256(s >> 1 ? _mm256_srli_epi16(ql, 4) : ql, m4);
+        /* bits 2s, 2s+1 of each qh byte to bits 4, 5 (16-bit shifts; the mask drops what crossed
+           from the neighbouring byte). */
+        __m256i hb = s == 0 ? _mm256_slli_epi16(qh, 4) : s == 1 ? _mm256_slli_epi16(qh, 2)
+                   : s == 2 ? qh : _mm256_srli_epi16(qh, 2);
+        hb = _mm256_and_si256(hb, _mm256_set1_epi8(0x30));
+        return _mm256_sub_epi8(_mm256_or_si256(lo, hb), _mm256_set1_epi8(32));
+    }
+    const int i = g >> 1;
+    __m256i v = _mm256_loadu_si256((const __m256i *)(b + (fmt == Q5_K ? 48 : 16) + 32 * i));
+    __m256i q = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(v, 4) : v, m4);
+    if (fmt == Q5_K) {  /* bit g of each qh byte to bit 4 */
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        __m256i hb = g <= 4 ? _mm256_slli_epi16(qh, 4 - g) : _mm256_srli_epi16(qh, g - 4);
+        q = _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(16)));
+    }
+    return q;
+}
+
+/* The 32 weights of sub-block g as f32, exactly the reference's values: d*sc*q is exact in f32
+   (an f16 times a 6- or 8-bit scale times a 6-bit quant needs at most 24 bits), so the one
+   rounding of the fma is the reference's rounding of d*sc*q - dmin*m. */
+INLINE void kq_weights(int fmt, const uint8_t *b, int g, const float D[16], const float Mn[8],
+                       __m256 w[4]) {
+    __m256i q = kq_group(fmt, b, g);
+    __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int t = 0; t < 2; t++) {
+        __m256 d = _mm256_set1_ps(fmt == Q6_K ? D[2 * g + t] : D[g]);
+        __m256 m = _mm256_set1_ps(fmt == Q6_K ? 0.0f : Mn[g]);
+        __m256 a = fmt == Q6_K ? i8x8_to_ps(h[t]) : u8x8_to_ps(h[t]);
+        __m256 c = fmt == Q6_K ? i8x8_to_ps(_mm_srli_si128(h[t], 8)) : u8x8_to_ps(_mm_srli_si128(h[t], 8));
+        w[2 * t] = _mm256_fmadd_ps(a, d, m);
+        w[2 * t + 1] = _mm256_fmadd_ps(c, d, m);
+    }
+}
+
+/* One super-block dequantized to 256 f32. */
+INLINE void kq_dequant(int fmt, const uint8_t *b, float *dst) {
+    float D[16], Mn[8];
+    kq_scales(fmt, b, D, Mn);
+    #pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        __m256 w[4];
+        kq_weights(fmt, b, g, D, Mn, w);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 32 * g + 8 * i, w[i]);
+    }
+}
+
+/* R (1..4) outputs of one K-quant row against R activation rows x + r*K (written to
+   out[r * N]): each sub-block is decoded to its f32 weights once and used for every row, so R
+   rows cost little more than one (re-decoding per row would cost R times). At R = 1 this is as
+   fast here as scaling integer dot products and adding the min term by activation sums, and
+   nearer the reference (its weights are the reference's, bit for bit). */
+INLINE void dot_kquant_rows(int fmt, const int R, const uint8_t *row, const float *x, int64_t K,
+                            float *out, int64_t N) {
+    const int bb = block_bytes(fmt);
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 256; b++) {
+        const uint8_t *p = row + b * bb;
+        float D[16], Mn[8];
+        kq_scales(fmt, p, D, Mn);
+        #pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m256 w[4];
+            kq_weights(fmt, p, g, D, Mn, w);
+            const float *xg = x + b * 256 + 32 * g;
+            for (int r = 0; r < R; r++) {
+                acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg + r * K), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + r * K + 8), acc[r][1]);
+                acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + r * K + 16), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + r * K + 24), acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * N] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+#else
+INLINE void kq_dequant(int fmt, const uint8_t *b, float *dst) {
+    float D[16], Mn[8] = {0}; int32_t q[256];
+    kq_scales(fmt, b, D, Mn);
+    kq_ints(fmt, b, q);
+    for (int e = 0; e < 256; e++)
+        dst[e] = fmt == Q6_K ? D[e / 16] * (float)q[e] : D[e / 32] * (float)q[e] + Mn[e / 32];
+}
+#endif
+
+#ifndef __AVX2__
+/* One output of a K-quant row (portable build): packed row `row` against activation row x, the
+   q4_k/q5_k min term by x's per-32 sums xs. */
+INLINE float dot_kquant(int fmt, const uint8_t *row, const float *x, const float *xs, int64_t K) {
+    const int bb = block_bytes(fmt);
+    float D[16], Mn[8] = {0}, total = 0.0f, bias = 0.0f; int32_t q[256];
+    for (int64_t b = 0; b < K / 256; b++) {
+        kq_scales(fmt, row + b * bb, D, Mn);
+        kq_ints(fmt, row + b * bb, q);
+        const float *xb = x + b * 256;
+        for (int g = 0; g < 16; g++) {
+            float s = 0.0f;
+            for (int j = 0; j < 16; j++) s += (float)q[16 * g + j] * xb[16 * g + j];
+            total += (fmt == Q6_K ? D[g] : D[g / 2]) * s;
+        }
+        if (fmt != Q6_K)
+            for (int j = 0; j < 8; j++) bias += Mn[j] * xs[b * 8 + j];
+    }
+    return total + bias;
+}
+#endif
+
 /* Dequantize one packed row of K weights to f32. */
 INLINE void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
     if (fmt == F32) { memcpy(dst, row, (size_t)K * 4); return; }
     if (fmt == F16) { const uint8_t *p = row; for (int64_t k = 0; k < K; k++) dst[k] = half_to_float(rd16(p + 2 * k)); return; }
     if (fmt == BF16) { const uint8_t *p = row; for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_float(rd16(p + 2 * k)); return; }
     int bb = block_bytes(fmt); int32_t q[32]; float d, m;
+    if (block_elems(fmt) == 256) {
+        for (int64_t b = 0; b < K / 256; b++) kq_dequant(fmt, row + b * bb, dst + b * 256);
+        return;
+    }
     for (int64_t b = 0; b < K / 32; b++) {
 #ifdef __AVX2__
         const uint8_t *p = row + b * bb;
@@ -293,7 +512,24 @@ INLINE void tile_rows(const int fmt, const float *x, const uint8_t *w, float *ou
                       int64_t M, int64_t N, int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
-        if (block_bytes(fmt) > 0) {
+        if (block_elems(fmt) == 256 && block_bytes(fmt) > 0) {
+#ifdef __AVX2__
+            /* rows m .. m+R-1 in one pass over the weight rows; the loop's m advances by R */
+            const int R = M - m < 4 ? (int)(M - m) : 4;
+            for (int64_t n = n0; n < n1; n++) {
+                const uint8_t *wr = w + n * row_bytes;
+                float *o = out + m * N + n;
+                if (R == 1) dot_kquant_rows(fmt, 1, wr, xr, K, o, N);
+                else if (R == 2) dot_kquant_rows(fmt, 2, wr, xr, K, o, N);
+                else if (R == 3) dot_kquant_rows(fmt, 3, wr, xr, K, o, N);
+                else dot_kquant_rows(fmt, 4, wr, xr, K, o, N);
+            }
+            m += R - 1;
+#else
+            for (int64_t n = n0; n < n1; n++)
+                out[m * N + n] = dot_kquant(fmt, w + n * row_bytes, xr, xs + m * (K / 32), K);
+#endif
+        } else if (block_bytes(fmt) > 0) {
             for (int64_t n = n0; n < n1; n++)
                 out[m * N + n] = dot_quant(fmt, w + n * row_bytes, xr, xs + m * (K / 32), K);
         } else {
@@ -308,10 +544,15 @@ INLINE void tile_rows(const int fmt, const float *x, const uint8_t *w, float *ou
 int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
                 int64_t K, int64_t row_bytes, int threads) {
     const int quant = block_bytes(fmt) > 0;
-    if (quant && K % 32) return -1;
+    if (quant && K % block_elems(fmt)) return -1;
     if (!quant && fmt != F32 && fmt != F16 && fmt != BF16) return -1;
     float *xs = NULL;
-    if (quant) {  /* per-block activation sums, once per row */
+#ifdef __AVX2__
+    const int sums = quant && block_elems(fmt) == 32;  /* the K-quants decode weights instead */
+#else
+    const int sums = quant;
+#endif
+    if (sums) {  /* per-32 activation sums, once per row */
         xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32) + 1));
         if (!xs) return -1;
         for (int64_t m = 0; m < M; m++)
@@ -334,6 +575,9 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
         case Q4_1: tile_rows(Q4_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
         case Q5_0: tile_rows(Q5_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
         case Q5_1: tile_rows(Q5_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case Q4_K: tile_rows(Q4_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case Q5_K: tile_rows(Q5_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+        case Q6_K: tile_rows(Q6_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
         default: tile_rows(Q8_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
         }
     }
@@ -360,12 +604,13 @@ int fuel_pool_threads(int threads) {
 /* dst[N, K] f32 = the dequantized rows of W (for large-M products handed to a GEMM library). */
 int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K, int64_t row_bytes,
                     int threads) {
-    if (block_bytes(fmt) > 0 ? K % 32 != 0 : (fmt != F32 && fmt != F16 && fmt != BF16)) return -1;
+    if (block_bytes(fmt) > 0 ? K % block_elems(fmt) != 0 : (fmt != F32 && fmt != F16 && fmt != BF16)) return -1;
     const int parallel = threads > 1 && N * K >= 65536;
     switch (fmt) {
 #define DEQ(F) case F: { _Pragma("omp parallel for schedule(static) num_threads(threads) if (parallel)") \
         for (int64_t n = 0; n < N; n++) dequant_row(F, w + n * row_bytes, K, dst + n * K); break; }
     DEQ(F32) DEQ(F16) DEQ(BF16) DEQ(Q4_0) DEQ(Q4_1) DEQ(Q5_0) DEQ(Q5_1) DEQ(Q8_0)
+    DEQ(Q4_K) DEQ(Q5_K) DEQ(Q6_K)
 #undef DEQ
     }
     return 0;

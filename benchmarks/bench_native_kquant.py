@@ -1,0 +1,93 @@
+"""The native K-quant kernels (q4_k, q5_k, q6_k) against the recipe they replace.
+
+Before the native kernels took them, a ``quant_linear`` over a K-quant layout on CPU ran its
+decomposed arm: dequantize the packed weight (fuel's ``dequantize`` primitive, the ``gguf``
+package's reference dequantizer) and multiply with torch. This prints, per format and weight
+shape, one decode-shaped product (M=1 activation row) on ONE thread (``torch.set_num_threads(1)``):
+
+- ``kernel``: ``fuel_matmul`` streaming the packed super-blocks once (µs, and GB/s of packed
+  weight bytes read);
+- ``recipe``: ``dequantize`` + ``x @ W.T`` (what the kernel replaces) and the speedup over it;
+- ``deq+mm``: the native library's own large-M path (``fuel_dequantize`` to f32, ``torch.mm``),
+  for scale;
+- ``f32 mm``: ``x @ W.T`` on an already dequantized f32 weight (4-7x the bytes of the packed one);
+- ``M=4``: the kernel with four activation rows (a small decode batch: each sub-block is
+  decoded once for all four);
+- ``max err``: the kernel's largest absolute difference from the recipe, and whether every
+  output is within the JIT's bound (``|got - want| <= 2e-5 + 2e-5 |want|``).
+
+Weights are valid random super-blocks (``quant_blocks.random_blocks``). The median of
+``--repeats`` samples is printed; on a shared machine the numbers move with the load. Usage::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_native_kquant.py [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SHAPES = ((1536, 1536), (4096, 4096))
+"""(output features N, input features K): K-quant rows hold whole 256-weight super-blocks."""
+
+LAYOUTS = ("q4_k", "q5_k", "q6_k")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+
+    import torch
+
+    from fuel.cost.profile import profile_kernel
+    from fuel.graph.dtype import DType
+    from fuel.jit.adopt import verify
+    from fuel.kernels import RECIPE_TOLERANCE, native
+    from fuel.kernels.quant_blocks import dequantize, random_blocks
+
+    torch.set_num_threads(1)
+    lib = native.load()
+    if isinstance(lib, native.Unavailable):
+        print(f"native kernels unavailable: {lib.reason}")
+        return 1
+
+    def median_us(call, repeats: int) -> float:
+        return profile_kernel(call, warmup=2, repeats=repeats).median_ns / 1e3
+
+    print(f"one thread, M=1; median of {args.repeats} samples\n")
+    print(f"{'format':<6} {'N x K':<11} {'packed':>8} {'kernel':>9} {'GB/s':>6} {'recipe':>10} "
+          f"{'speedup':>8} {'deq+mm':>9} {'f32 mm':>8} {'M=4':>8}  max err")
+    for layout in LAYOUTS:
+        for n, k in SHAPES:
+            w = random_blocks(layout, n, k, torch.Generator().manual_seed(0))
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
+            dense = dequantize(w, layout, k)
+            want = x @ dense.T
+            got = lib.matmul(layout, x, w, k, threads=1)
+            check = verify(got, want, RECIPE_TOLERANCE[DType.F32])
+            packed = w.numel()
+            code = native.FORMAT_CODES[layout]
+            tile = torch.empty(n, k)
+
+            def deq_mm(w=w, x=x, tile=tile, code=code, n=n, k=k):
+                lib._lib.fuel_dequantize(code, w.data_ptr(), tile.data_ptr(), n, k, w.shape[1], 1)
+                return x @ tile.t()
+
+            kernel_us = median_us(lambda: lib.matmul(layout, x, w, k, threads=1), args.repeats)
+            slow = max(3, args.repeats // 3)  # the numpy recipe takes tens of ms at 4096x4096
+            recipe_us = median_us(lambda: x @ dequantize(w, layout, k).T, slow)
+            deq_us = median_us(deq_mm, slow)
+            f32_us = median_us(lambda: x @ dense.T, args.repeats)
+            x4 = torch.randn(4, k, generator=torch.Generator().manual_seed(2))
+            four_us = median_us(lambda: lib.matmul(layout, x4, w, k, threads=1), args.repeats)
+            print(f"{layout:<6} {f'{n}x{k}':<11} {packed / 2**20:>6.2f}Mi {kernel_us:>7.1f}us "
+                  f"{packed / kernel_us / 1e3:>6.1f} {recipe_us:>8.0f}us "
+                  f"{recipe_us / kernel_us:>7.0f}x "
+                  f"{deq_us:>7.0f}us {f32_us:>6.0f}us {four_us:>6.0f}us  {check.max_abs_error:.1e} "
+                  f"({'within' if check.ok else 'OUTSIDE'} the JIT bound)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
