@@ -161,8 +161,12 @@ def stored_q4_1(args) -> None:
 
 LONG_TEXT = ("The history of the bicycle spans more than two centuries, from the wooden "
              "running machines of the early nineteenth century to the carbon frames of today. ")
-LLAMA_DTYPES = ("f32", "f16", "bf16")
-FUEL_DTYPES = ("f32", "bf16")
+LLAMA_DTYPES = ("q4_1", "f32", "f16", "bf16")
+"""``q4_1``: the shipped file itself (fuel ``--dtype stored``, its Q4_1/Q8_0 tensors packed);
+the others: that file converted by llama.cpp (fuel ``--dtype`` of the same name: f32, or the
+matrices held in f16/bf16 and multiplied in f32)."""
+FUEL_DTYPES = ("q4_1", "f32", "f16", "bf16")
+FUEL_DTYPE_OF = {"q4_1": "stored"}
 INSTALL = ("python -m venv /work/peer/llama && /work/peer/llama/bin/pip install "
            "llama-cpp-python==0.3.36")
 
@@ -191,7 +195,7 @@ def fuel_worker(args) -> dict:
 
     set_threads(args.threads)
     started = clock.perf_counter()
-    model = load_model(None, dtype=args.dtype[0], max_context=1024, progress=False, jit=True,
+    model = load_model(None, dtype=FUEL_DTYPE_OF.get(args.dtype[0], args.dtype[0]), max_context=1024, progress=False, jit=True,
                        program_cache=True)
     load_s = clock.perf_counter() - started
     with open(args.prompts) as handle:
@@ -239,6 +243,9 @@ def llama_models(python: str, dtypes) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     models = {}
     for dtype in dtypes:
+        if dtype == "q4_1":
+            models[dtype] = default_model_path()
+            continue
         target = folder / f"smollm2-135m-instruct-{dtype}.gguf"
         if not target.exists():
             temp = target.with_suffix(".tmp")
@@ -348,7 +355,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", action="append", choices=["f32", "f16", "bf16"])
+    parser.add_argument("--dtype", action="append", choices=list(LLAMA_DTYPES))
     parser.add_argument("--jit", action="append", choices=["off", "on"])
     parser.add_argument("--stored", action="store_true", help="the Q4_1 file in its stored formats")
     parser.add_argument("--worker", choices=["fuel"], help=argparse.SUPPRESS)

@@ -6,11 +6,16 @@ state after a call: the cache holds every committed token but the last generated
 *pending* token, which the next step feeds).
 
 Invariants:
-- A prompt is prefilled in chunks of ``chunk`` rows and one last chunk of the rest, so a prompt
-  runs at most two prefill programs (one for a prompt up to ``chunk`` tokens), each a whole
-  chunk of causal attention in one kernel; programs persist across processes
-  (:mod:`fuel.runtime.program_cache`), so a prompt length seen before builds nothing. The last
-  chunk's last row picks the first new token.
+- A prompt is prefilled in chunks of ``chunk`` rows and one last chunk of the rest, each a
+  whole chunk of causal attention in one kernel. The last chunk runs *padded* to a power of two
+  from :data:`MIN_BUCKET` rows (:func:`bucket`), so every prompt up to ``chunk`` tokens runs one
+  of five programs (16, 32, 64, 128, 256 rows) and programs persist across processes
+  (:mod:`fuel.runtime.program_cache`): a new prompt length builds nothing a machine built
+  before. Padding rows repeat the last token after the real ones; attention is causal, so no
+  real row sees them, and their cache writes are rolled back (the sequence's length returns to
+  the real end, and the next step overwrites those slots). Their logits are dropped. Where the
+  context or the free blocks cannot hold the padding, the chunk runs at its own size.
+- The last real row of the last chunk picks the first new token.
 - Generation stops after ``max_new_tokens`` tokens or right after a token in ``stop`` (the stop
   token is returned); the output is exactly the greedy continuation, one argmax per step.
 - ``generate_batch`` steps all unfinished sequences together in one ``multi_seq`` step; a
@@ -23,12 +28,26 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from fuel.circuit.ir import Section
 from fuel.circuit.rules import Mode
 from fuel.runtime.engine import ContextTooLong, Engine, StepResult
 
 DEFAULT_CHUNK = 256
 """Rows of a full prefill chunk: a 512-token prompt is two steps of one program; a chat prompt
 (tens of tokens) one step."""
+
+
+MIN_BUCKET = 16
+"""The smallest padded prefill chunk (shorter prompts run 16 rows)."""
+
+
+def bucket(rows: int, largest: int = DEFAULT_CHUNK) -> int:
+    """The rows a chunk of ``rows`` runs at: the next power of two from :data:`MIN_BUCKET`, and
+    never more than ``largest`` (a chunk of ``largest`` rows runs as it is)."""
+    size = MIN_BUCKET
+    while size < rows:
+        size *= 2
+    return max(rows, min(size, largest))
 
 
 def chunks(length: int, largest: int = DEFAULT_CHUNK) -> list[int]:
@@ -46,10 +65,26 @@ def prefill(engine: Engine, sequence: Hashable, ids: Sequence[int], *, chunk: in
     returns the last chunk's step."""
     result, start = None, 0
     for size in chunks(len(ids), chunk):
-        result = engine.step(mode, [(sequence, ids[start:start + size])])
+        part = list(ids[start:start + size])
+        padded = bucket(size, chunk) if mode is Mode.PREFILL else size
+        if padded > size and _room(engine, sequence, padded):
+            length = engine.length(sequence)
+            result = engine.step(mode, [(sequence, part + [part[-1]] * (padded - size))])
+            engine.rollback(sequence, length + size)
+            result = StepResult(result.logits[:size], result.tokens[:size], result.program,
+                                result.node_seconds)
+        else:
+            result = engine.step(mode, [(sequence, part)])
         start += size
     assert result is not None
     return result
+
+
+def _room(engine: Engine, sequence: Hashable, rows: int) -> bool:
+    """Whether ``sequence`` can take ``rows`` more rows (context and free blocks)."""
+    tables = engine.tables[Section.MAIN]
+    return (engine.length(sequence) + rows <= engine.max_context
+            and tables.can_append(sequence, rows))
 
 
 @dataclass(slots=True)
