@@ -9,7 +9,11 @@ The pipeline, one subpackage per stage::
 Each subpackage's ``__init__`` names its public API. Importing ``fuel`` is cheap: no torch.
 """
 
-from fuel.errors import FuelError, InputError
+from fuel.kernels.threads import bound_pool_spin
+
+bound_pool_spin()  # before anything imports torch (its OpenMP runtime reads it once, at load)
+
+from fuel.errors import FuelError, InputError  # noqa: E402
 
 __version__ = "0.1.0"
 

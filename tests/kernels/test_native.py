@@ -311,3 +311,14 @@ def test_layouts_the_library_lacks_go_to_numba(tmp_path):
 
     answer = synth.synthesize(request_for(graph, node))
     assert isinstance(answer, Declined) and "gguf/q3_k" in answer.reason  # numba's own reason
+
+
+@pytest.mark.parametrize("user, expected", [({}, "30000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
+                                            ({"OMP_WAIT_POLICY": "active"}, None)])
+def test_importing_fuel_bounds_the_pools_idle_spin_unless_the_user_chose(user, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run([sys.executable, "-c", "import json, os, sys, fuel; print(json.dumps("
+                           "[os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules]))"],
+                          capture_output=True, text=True, env={**env, **user}, timeout=120)
+    spin, torch_loaded = json.loads(done.stdout)
+    assert spin == expected and not torch_loaded  # set before torch's OpenMP runtime loads
