@@ -313,7 +313,7 @@ def test_layouts_the_library_lacks_go_to_numba(tmp_path):
     assert isinstance(answer, Declined) and "gguf/q3_k" in answer.reason  # numba's own reason
 
 
-@pytest.mark.parametrize("user, expected", [({}, "30000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
+@pytest.mark.parametrize("user, expected", [({}, "1000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
                                             ({"OMP_WAIT_POLICY": "active"}, None)])
 def test_importing_fuel_bounds_the_pools_idle_spin_unless_the_user_chose(user, expected):
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}

@@ -19,13 +19,14 @@ torch's own ``libgomp``, so their parallel loops are regions of the same team to
 second pool.
 
 **Bounded spinning** (:func:`bound_pool_spin`). After a region, GNU OpenMP's threads spin
-``GOMP_SPINCOUNT`` iterations before they sleep (300,000 when nothing is set). On a busy 2-core
-machine both of a step's threads can land on one core; a spinning thread then holds that core
-while the thread it waits for cannot run, and every region costs the whole spin. Measured here
-(one Q4_1 1536x576 product, 2 threads, load average 7): 7.6 ms a call with the default spin,
-8 ms at 300,000, 2.6 ms at 100,000, 0.17 ms at 30,000, against 0.16-0.21 ms on one thread.
-30,000 iterations (well under a millisecond) still covers the gap between two kernels of a
-step, so a quiet machine keeps its threads awake from one kernel to the next.
+``GOMP_SPINCOUNT`` iterations before they sleep (300,000 when nothing is set; one iteration is
+a ``pause``, tens of nanoseconds). On a busy 2-core machine both of a step's threads can land on
+one core; a spinning thread then holds the core the other needs, and every region (or every
+serial kernel after one) waits out the spin. Measured here with SmolLM2's stored Q4_1 decode
+step on 2 threads, load average 6-7 from other processes: 192 ms a step at 30,000 iterations,
+44 ms at 1,000, 39 ms at 0 (passive), against 41 ms on one thread; one Q4_1 1536x576 product
+took 7.6 ms a call at the default spin and 0.17 ms bounded. :data:`SPIN_COUNT` keeps a short
+spin, which still bridges back-to-back kernels on a quiet machine.
 
 Invariants:
 - :func:`set_threads` is the only place fuel sizes a pool; the count it returns is the one in
@@ -46,7 +47,7 @@ POOL = "torch intra-op (OpenMP)"
 """The pool every kernel runs on, for reports."""
 
 
-SPIN_COUNT = "30000"
+SPIN_COUNT = "1000"
 """Iterations an idle pool thread spins before sleeping (see the module docs)."""
 
 
