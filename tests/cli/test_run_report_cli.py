@@ -84,7 +84,7 @@ def test_default_report_has_one_line_per_kind_of_decision():
     assert sorted(starts) == sorted(REGIONS)
     kinds = dict(decision_kinds(recorded()))
     # paged_attn: the kernel won in both programs, 3.7x (prefill) to 562x (decode) per site
-    assert kinds["paged_attn"] == ("numba kernel adopted at 60 sites in 2 programs (prefill "
+    assert kinds["paged_attn"] == ("JIT kernel adopted at 60 sites in 2 programs (prefill "
                                    "47/w4; decode 1/w4), 3.7x to 562x faster than the recipe")
     assert "recipe kept at 59 sites in 1 program (prefill 47/w4): arm 0 cheapest" in \
         kinds["residual_add_rms_norm"]
@@ -95,7 +95,7 @@ def test_default_report_has_one_line_per_kind_of_decision():
 
 def test_decision_kinds_aggregate_over_programs_not_per_program():
     kinds = dict(decision_kinds(with_a_wider_decode_table(recorded())))
-    assert kinds["paged_attn"].startswith("numba kernel adopted at 90 sites in 3 programs,")
+    assert kinds["paged_attn"].startswith("JIT kernel adopted at 90 sites in 3 programs,")
 
 
 def test_without_jit_each_lowered_op_is_one_line_saying_the_recipe_runs():

@@ -4,7 +4,7 @@ Decides what a person reads once the text is generated. By default (``--report s
 summary of a few lines: tokens, decode and prefill tokens/s, time to first token, the weights'
 formats and bytes read per token, the bandwidth floor and the measured/floor ratio, threads,
 program builds, then one line per kind of decision the optimizer made, aggregated over every
-step program of the run (``paged_attn: numba kernel adopted at 60 sites in 2 programs, 3.7x to
+step program of the run (``paged_attn: JIT kernel adopted at 60 sites in 2 programs, 3.7x to
 562x faster than the recipe``). ``--report full`` (``-v``) adds the tables: steps by mode, plans,
 bake decisions, routes, expert load, JIT adoptions and the baked branches, each deduplicated —
 one row per distinct decision, the step programs it applies to listed in a column.
@@ -129,7 +129,7 @@ class _Kind:
 
 def _arm_name(label: str) -> str:
     """How a winning arm is named: an adopted JIT kernel, or a variant kernel the bake chose."""
-    return "numba kernel adopted" if label.startswith(JIT_LABEL) else f"variant {label} baked"
+    return "JIT kernel adopted" if label.startswith(JIT_LABEL) else f"variant {label} baked"
 
 
 def _programs(groups: Iterable[tuple[dict[str, Any], int]]) -> str:
@@ -423,7 +423,7 @@ def print_jit(console: Console, result: dict[str, Any]) -> None:
         console.print(f"jit: {jit.get('note', 'off')}")
         return
     if jit["adoptions"]:
-        adoptions = _table("jit adoptions, one row per region and shape (numba, verified "
+        adoptions = _table("jit adoptions, one row per region and shape (numba or native C, verified "
                            "against the recipe; reused: the kernel adopted at another shape; "
                            "slower: refused, the recipe runs)", "region", "output", "outcome",
                            "max error", "kernel", "recipe")
