@@ -51,3 +51,19 @@ def test_a_latency_is_never_zero():
 def test_repeats_must_be_positive():
     with pytest.raises(ValueError):
         profile_kernel(lambda: None, repeats=0)
+
+
+def test_a_slow_kernel_under_a_budget_is_sampled_three_times_after_one_warmup():
+    seen = []
+    call, clock = fake_clock([100_000_000])  # 100 ms a call
+    measured = profile_kernel(lambda: (seen.append(1), call()), warmup=2, repeats=9,
+                              min_sample_ns=1, budget_ns=300_000_000, clock=clock)
+    assert measured.samples == 3 and measured.median_ns == 100_000_000
+    assert len(seen) == 1 + 1 + 3  # one warm-up (the second skipped), calibration, 3 samples
+
+
+def test_a_fast_kernel_under_a_budget_keeps_every_sample():
+    call, clock = fake_clock([1000])
+    measured = profile_kernel(call, warmup=2, repeats=9, min_sample_ns=1,
+                              budget_ns=300_000_000, clock=clock)
+    assert measured.samples == 9

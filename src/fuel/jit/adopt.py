@@ -44,6 +44,11 @@ from fuel.jit.protocol import Declined, JitRequest, SynthesisResult, Synthesized
 from fuel.kernels.table import RECIPE_TOLERANCE, KernelBindingTable, KernelEntry, Precision
 
 
+GATE_BUDGET_NS = 300_000_000
+"""Time the cost gate spends sampling one side (``fuel.cost.profile``: a slow recipe is sampled
+at least three times, not nine)."""
+
+
 class Outcome(Enum):
     ADOPTED = "adopted"
     ALREADY_ADOPTED = "already adopted"
@@ -144,10 +149,11 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
 
     from fuel.cost.profile import profile_kernel
 
-    measured = profile_kernel(lambda: kernel.run(*bench.inputs), repeats=profile_repeats)
+    measured = profile_kernel(lambda: kernel.run(*bench.inputs), repeats=profile_repeats,
+                              budget_ns=GATE_BUDGET_NS)
     kernel_ns = measured.median_ns
     decomposed_ns = profile_kernel(lambda: bench.program.run(bench.feeds),
-                                   repeats=profile_repeats).median_ns
+                                   repeats=profile_repeats, budget_ns=GATE_BUDGET_NS).median_ns
     known.update(kernel_ns=kernel_ns, decomposed_ns=decomposed_ns)
     if kernel_ns >= decomposed_ns:
         report = (f"slower: kernel {kernel_ns} ns >= decomposed region {decomposed_ns} ns "

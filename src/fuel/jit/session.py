@@ -46,8 +46,9 @@ DEFAULT_BUDGET_MS = 120_000
 """Compile budget per kernel in a run: a cold numba compile of the paged template takes seconds;
 a cached one loads in milliseconds."""
 
-ARM_PROFILE = {"warmup": 2, "repeats": 9, "min_sample_ns": 100_000}
-"""How each arm node is timed (median of 9 samples of at least 0.1 ms each)."""
+ARM_PROFILE = {"warmup": 2, "repeats": 9, "min_sample_ns": 100_000, "budget_ns": 300_000_000}
+"""How each arm node is timed (median of 9 samples of at least 0.1 ms each; an arm slower than
+that budget allows is sampled at least 3 times: ``fuel.cost.profile``)."""
 
 
 def numba_available() -> bool:
