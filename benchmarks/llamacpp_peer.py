@@ -11,21 +11,54 @@ import json
 import sys
 import time
 
+import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
 
+def last_row(llm) -> np.ndarray:
+    """The last evaluated row's logits, read from the context (llama-cpp-python 0.3.36 crashes
+    with ``logits_all=True`` here, and keeps no scores without it)."""
+    row = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).astype(np.float32)
+
+
+def avoid_amx() -> bool:
+    """Turn off llama.cpp's extra weight buffers (its AMX path) where the CPU advertises AMX:
+    on this machine's VM, ``ldtilecfg`` in ``ggml_backend_amx_mul_mat`` crashes the process
+    (SIGSEGV in the first ``eval``), so llama.cpp runs its AVX2/AVX-512 kernels, as it does on
+    any CPU without AMX. Returns whether it did."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    if "amx_tile" not in flags:
+        return False
+    import llama_cpp.llama_cpp as api
+
+    default = api.llama_model_default_params
+
+    def params():
+        value = default()
+        value.use_extra_bufts = False
+        return value
+
+    api.llama_model_default_params = params
+    return True
+
+
 def main() -> None:
+    avoid_amx()
     model, threads, tokens, ids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
-    llm = Llama(model_path=model, n_ctx=512, n_batch=512, n_threads=threads,
-                n_threads_batch=threads, logits_all=True, verbose=False)
+    llm = Llama(model_path=model, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
+                n_threads_batch=threads, logits_all=False, verbose=False)
     runs = []
     for prompt in ids:
         llm.reset()
         llm.eval(prompt)
         out, top2, started = [], [], None
         for step in range(tokens):
-            row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            row = last_row(llm)
             best = np.argsort(row)[-2:][::-1]
             out.append(int(best[0]))
             top2.append([float(row[best[0]]), float(row[best[1]])])

@@ -47,15 +47,40 @@ def greedy(llm) -> int:
     return int(np.argmax(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),))))
 
 
+def avoid_amx() -> bool:
+    """Turn off llama.cpp's extra weight buffers (its AMX path) where the CPU advertises AMX:
+    on this machine's VM, ``ldtilecfg`` in ``ggml_backend_amx_mul_mat`` crashes the process
+    (SIGSEGV in the first ``eval``), so llama.cpp runs its AVX2/AVX-512 kernels, as it does on
+    any CPU without AMX. Returns whether it did."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    if "amx_tile" not in flags:
+        return False
+    import llama_cpp.llama_cpp as api
+
+    default = api.llama_model_default_params
+
+    def params():
+        value = default()
+        value.use_extra_bufts = False
+        return value
+
+    api.llama_model_default_params = params
+    return True
+
+
 def measure(model: str, threads: int, prompts: list[list[int]], tokens: int, t0: float) -> dict:
     from llama_cpp import Llama
 
+    no_amx = avoid_amx()
     started = time.perf_counter()
     llm = Llama(model_path=model, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
                 n_threads_batch=threads, logits_all=False, verbose=False)
     load_s = time.perf_counter() - started
     out: dict = {"engine": "llama.cpp", "version": __import__("llama_cpp").__version__,
-                 "load_s": load_s, "prompts": []}
+                 "load_s": load_s, "prompts": [], "amx_off": no_amx}
     for index, ids in enumerate(prompts):
         llm.reset()
         started = time.perf_counter()
