@@ -322,3 +322,21 @@ def test_importing_fuel_bounds_the_pools_idle_spin_unless_the_user_chose(user, e
                           capture_output=True, text=True, env={**env, **user}, timeout=120)
     spin, torch_loaded = json.loads(done.stdout)
     assert spin == expected and not torch_loaded  # set before torch's OpenMP runtime loads
+
+
+def test_rope_equals_the_rotate_half_recipe_on_strided_heads(lib):
+    generator = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, 15, 64, generator=generator)
+    cos, sin = torch.randn(5, 1, 64, generator=generator), torch.randn(5, 1, 64, generator=generator)
+    x = qkv[:, 3:12]  # heads viewed out of a fused projection: rows and heads strided
+    first, second = x.chunk(2, dim=-1)
+    want = x * cos + torch.cat((-second, first), dim=-1) * sin
+    assert verify(lib.rope(x, cos, sin), want, TOLERANCE).ok
+    assert lib.rope(x.double(), cos.double(), sin.double()) is None  # not f32: torch runs it
+    assert lib.rope(x.transpose(1, 2), cos, sin) is None  # last dim not contiguous
+
+
+def test_silu_mul_equals_the_recipe(lib):
+    gate, up = torch.randn(3, 1536) * 4, torch.randn(3, 1536)
+    assert verify(lib.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, TOLERANCE).ok
+    assert lib.silu_mul(gate[:, ::2], up[:, ::2]) is None

@@ -274,10 +274,31 @@ def _layer_norm(node: Node):
 
 
 def _rope(node: Node):
+    native = _native_stream()
+
     def rope(x, cos, sin):
+        if native is not None and x.device.type == "cpu":
+            # One native call for the 6 torch ops below where the layout allows (f32, decode
+            # and prefill rows of [rows, heads, head_dim]); the same arithmetic per element.
+            out = native.rope(x, cos, sin)
+            if out is not None:
+                return out
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-second, first), dim=-1) * sin
     return rope
+
+
+def _silu_mul(node: Node):
+    native = _native_stream()
+
+    def silu_mul(gate, up):
+        if native is not None and gate.device.type == "cpu":
+            out = native.silu_mul(gate, up)
+            if out is not None:
+                return out
+        # silu returns a fresh tensor, so the product is taken in place (one allocation fewer).
+        return F.silu(gate).mul_(up)
+    return silu_mul
 
 
 class LinearLayout(Enum):
@@ -340,6 +361,14 @@ PREPARED_WEIGHTS = _PreparedWeights()
 
 
 _NATIVE_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def _native_serves(node: Node, inputs: Sequence[Node], rank: int | None = None) -> bool:
+    """Whether the native library runs this f32 node in one call (it loads here, and the
+    operands have the rank its kernel takes)."""
+    if node.dtype is not DType.F32 or (rank is not None and len(inputs[0].shape.dims) != rank):
+        return False
+    return _native_stream() is not None
 
 
 def _native_stream():
@@ -421,9 +450,7 @@ _FUSED: dict[FusedOps, tuple[KernelFactory, frozenset[str], Callable[[DType], It
     FusedOps.LAYER_NORM: (_layer_norm, frozenset(), lambda d: [(d, d, d, d)]),
     FusedOps.ROPE: (_rope, frozenset({"rotate_half"}), lambda d: [(d, d, d, d)]),
     FusedOps.FUSED_LINEAR: (_fused_linear, frozenset({"bias"}), lambda d: [(d, d, d), (d, d, d, d)]),
-    # silu returns a fresh tensor, so the product is taken in place (one allocation fewer).
-    FusedOps.SILU_MUL: (_fixed(lambda gate, up: F.silu(gate).mul_(up)), frozenset(),
-                        lambda d: [(d, d, d)]),
+    FusedOps.SILU_MUL: (_silu_mul, frozenset(), lambda d: [(d, d, d)]),
     FusedOps.FLASH_ATTN: (_flash_attn, frozenset({"causal", "gqa", "softcap", "symbolic_k_len"}),
                           lambda d: [(d, d, d, d)]),
 }
@@ -467,8 +494,9 @@ def _linear_calls(node: Node, inputs: Sequence[Node]) -> int:
 
 
 _CALLS: dict[FusedOps, CallsFn] = {
-    FusedOps.ROPE: lambda node, inputs: 6,  # split (chunk), mul, neg, cat, mul, add
-    FusedOps.SILU_MUL: lambda node, inputs: 2,  # silu, mul
+    # split (chunk), mul, neg, cat, mul, add; one native call for f32 [rows, heads, D]
+    FusedOps.ROPE: lambda node, inputs: 1 if _native_serves(node, inputs, rank=3) else 6,
+    FusedOps.SILU_MUL: lambda node, inputs: 1 if _native_serves(node, inputs) else 2,  # silu, mul
     FusedOps.FUSED_LINEAR: _linear_calls,
     FusedOps.FLASH_ATTN: _flash_attn_calls,
 }

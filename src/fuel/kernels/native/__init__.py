@@ -86,9 +86,43 @@ class NativeKernels:
         lib.fuel_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         lib.fuel_dequantize.restype = ctypes.c_int
+        lib.fuel_rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_int64]
+        lib.fuel_rope.restype = None
+        lib.fuel_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.fuel_silu_mul.restype = None
         lib.fuel_pool_threads.argtypes = [ctypes.c_int]
         lib.fuel_pool_threads.restype = ctypes.c_int
         self._call = lib.fuel_matmul
+
+    def rope(self, x: Any, cos: Any, sin: Any) -> Any | None:
+        """Rotate-half RoPE of f32 ``x [rows, heads, D]`` (last dim contiguous, any row/head
+        strides) with ``cos``/``sin`` ``[rows, 1, D]``, in one call; None when the operands have
+        another shape, dtype or layout (the caller's torch kernel runs them)."""
+        import torch
+
+        if not (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3
+                and cos.dim() == 3 and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
+                and x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
+                and x.shape[2] % 2 == 0):
+            return None
+        rows, heads, width = x.shape
+        out = torch.empty((rows, heads, width), dtype=torch.float32)
+        self._lib.fuel_rope(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                            out.data_ptr(), rows, heads, width)
+        return out
+
+    def silu_mul(self, gate: Any, up: Any) -> Any | None:
+        """``silu(gate) * up`` for contiguous f32 tensors of one shape; None otherwise."""
+        import torch
+
+        if not (gate.dtype == up.dtype == torch.float32 and gate.shape == up.shape
+                and gate.is_contiguous() and up.is_contiguous()):
+            return None
+        out = torch.empty_like(gate)
+        self._lib.fuel_silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        return out
 
     def pool_threads(self, threads: int) -> int:
         """How many threads a parallel region of the library gets when asked for ``threads``."""

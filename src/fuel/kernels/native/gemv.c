@@ -615,3 +615,28 @@ int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K,
     }
     return 0;
 }
+
+/* Rotary embedding, rotate-half form, f32: out[r, h, :] = x*cos + rotate_half(x)*sin with
+   rotate_half(x) = (-x[D/2:], x[:D/2]); x rows r (stride xr) of H heads (stride xh), each D
+   contiguous; cos/sin one contiguous D-row per r (shared by the heads). out is contiguous. */
+void fuel_rope(const float *x, int64_t xr, int64_t xh, const float *cos_, const float *sin_,
+               float *out, int64_t R, int64_t H, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t r = 0; r < R; r++) {
+        const float *c = cos_ + r * D, *s = sin_ + r * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *v = x + r * xr + h * xh;
+            float *o = out + (r * H + h) * D;
+            for (int64_t j = 0; j < half; j++) o[j] = v[j] * c[j] - v[j + half] * s[j];
+            for (int64_t j = 0; j < half; j++) o[j + half] = v[j + half] * c[j + half] + v[j] * s[j + half];
+        }
+    }
+}
+
+/* SwiGLU, f32: out[i] = silu(gate[i]) * up[i] over n contiguous elements. */
+void fuel_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
