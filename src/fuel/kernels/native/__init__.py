@@ -141,7 +141,7 @@ class NativeKernels:
         code = FORMAT_CODES[fmt]
         threads = threads if threads is not None else torch.get_num_threads()
         lead = tuple(x.shape[:-1])
-        rows = x.reshape(-1, cols)
+        rows = x if x.dim() == 2 else x.reshape(-1, cols)
         if rows.dtype != torch.float32:
             rows = rows.float()
         if not rows.is_contiguous():
@@ -168,7 +168,7 @@ class NativeKernels:
                     out[:, start:start + count] = rows @ tile[:count].t()
         if status != 0:
             raise ValueError(f"native matmul refused {fmt} with {cols} columns")
-        return out.reshape(*lead, n)
+        return out if len(lead) == 1 else out.reshape(*lead, n)
 
 
 _LOADED: NativeKernels | Unavailable | None = None
