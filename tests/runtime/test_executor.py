@@ -188,3 +188,23 @@ def test_a_timed_run_returns_the_same_values_and_one_duration_per_executed_node(
     assert all(s >= 0 for s in seconds)
     torch.testing.assert_close(out[y], program.run({"x": feed})[y])
     assert program.executed_nodes == 3
+
+
+def test_a_slice_that_takes_back_a_concatenated_part_reads_the_part_and_the_concat_never_runs():
+    g = Graph()
+    x = g.input("x", [2, 3], F32)
+    a, b = g.prim(OpKind.TANH, x), g.prim(OpKind.EXP, x)
+    joined = g.prim(OpKind.CONCAT, a, b, dim=1)
+    gate = g.prim(OpKind.SLICE, joined, dim=-1, start=0, end=3)
+    up = g.prim(OpKind.SLICE, joined, dim=1, start=3, end=6)
+    across = g.prim(OpKind.SLICE, joined, dim=1, start=2, end=4)  # straddles both parts
+    out = g.prim(OpKind.MUL, gate, up)
+    program = compile_program(g, lower(g, [out]), TABLE)
+    kinds = [g.node(n).op.kind for n in program.executed]
+    assert OpKind.CONCAT not in kinds and OpKind.SLICE not in kinds
+    feed = torch.randn(2, 3)
+    torch.testing.assert_close(program.run({"x": feed})[out], torch.tanh(feed) * torch.exp(feed))
+    straddling = compile_program(g, lower(g, [across]), TABLE)
+    assert OpKind.CONCAT in [g.node(n).op.kind for n in straddling.executed]
+    torch.testing.assert_close(straddling.run({"x": feed})[across],
+                               torch.cat([torch.tanh(feed), torch.exp(feed)], 1)[:, 2:4])

@@ -20,6 +20,9 @@ Invariants:
   counts them). Values a step mutates in place (a ``kv_cache_write``'s cache) and everything
   computed from them are never merged. So the index arithmetic every layer's decomposed paged
   attention repeats over the same block table runs once per step.
+- A ``slice`` that takes back exactly one operand of a ``concat`` reads that operand, and a
+  ``concat`` no step reads any more is not run (a packed projection's parts, joined by the
+  lowering and split again by SwiGLU, are read directly: no copy, no views).
 - Per-node work at run time is one call: the kernels are resolved once and the steps are
   generated as straight-line Python (``Program.source``), each value released after its last
   reader.
@@ -200,6 +203,10 @@ def compile_program(graph: Graph, lowered: Lowered, table: KernelBindingTable,
     for node_id in lowered.order:
         node = graph.node(node_id)
         op = node.op
+        part = _sliced_part(graph, node_id, lowered, same, unmergeable)
+        if part is not None:
+            same[node_id] = part
+            continue
         if isinstance(op, Prim | Fused) and node_id not in unmergeable:
             reads = tuple(same.get(r, r) for r in lowered.reads[node_id])
             if isinstance(op, Prim) and op.kind in _SHAPE_ONLY:
@@ -239,12 +246,53 @@ def compile_program(graph: Graph, lowered: Lowered, table: KernelBindingTable,
         else:
             raise NotExecutable(node_id, str(op))
     roots = tuple(same.get(r, r) for r in lowered.roots)
+    steps, kernels = _drop_unread_concats(graph, steps, kernels, roots)
     source = _generate(leaves, steps, roots)
     namespace: dict[str, Any] = {}
     exec(compile(source, "<fuel program>", "exec"), namespace)  # noqa: S102 — our own source
     return Program(lowered.roots, tuple(n for n, _ in steps), source, namespace["run"],
                    tuple(kernels), tuple(constants), tuple(feeds), torch_device,
                    _generate(leaves, steps, roots, timed=True), len(same))
+
+
+def _sliced_part(graph: Graph, node_id: NodeId, lowered: Lowered, same: dict[NodeId, NodeId],
+                 unmergeable: set[NodeId]) -> NodeId | None:
+    """The concatenated operand a ``slice`` takes back whole (``slice(concat(a, b), a's range)``
+    is ``a``), or None. A packed projection's outputs are concatenated by the lowering and split
+    again by the next node (SwiGLU's gate and up): reading the parts spares the copy and the two
+    views. Never for values derived from a mutable cache (their contents may change)."""
+    op = graph.node(node_id).op
+    if not (isinstance(op, Prim) and op.kind is OpKind.SLICE) or node_id in unmergeable:
+        return None
+    source = same.get(lowered.reads[node_id][0], lowered.reads[node_id][0])
+    concat = graph.node(source)
+    if not (isinstance(concat.op, Prim) and concat.op.kind is OpKind.CONCAT) or source in unmergeable:
+        return None
+    attrs, rank = op.attr_dict(), len(concat.shape.dims)
+    dim = concat.op.attr_dict()["dim"] % rank
+    if attrs["dim"] % rank != dim:
+        return None
+    offset = 0
+    for part in lowered.reads[source]:
+        extent = graph.node(part).shape.dims[dim]
+        if not isinstance(extent, int):
+            return None
+        if (attrs["start"], attrs["end"]) == (offset, offset + extent):
+            return same.get(part, part)
+        offset += extent
+    return None
+
+
+def _drop_unread_concats(graph: Graph, steps, kernels, roots):
+    """Steps and kernels without the ``concat`` steps no later step reads (their slices read the
+    parts: :func:`_sliced_part`). Only concatenations: they have no effect but their value."""
+    read = set(roots)
+    for _, reads in steps:
+        read.update(reads)
+    keep = [index for index, (node_id, _) in enumerate(steps)
+            if node_id in read or not (isinstance(graph.node(node_id).op, Prim)
+                                       and graph.node(node_id).op.kind is OpKind.CONCAT)]
+    return [steps[i] for i in keep], [kernels[i] for i in keep]
 
 
 def _unmergeable(graph: Graph, lowered: Lowered) -> set[NodeId]:
