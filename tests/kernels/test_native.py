@@ -340,3 +340,12 @@ def test_silu_mul_equals_the_recipe(lib):
     gate, up = torch.randn(3, 1536) * 4, torch.randn(3, 1536)
     assert verify(lib.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, TOLERANCE).ok
     assert lib.silu_mul(gate[:, ::2], up[:, ::2]) is None
+
+
+def test_argmax_keeps_torchs_first_maximum_and_nan_rules(lib):
+    x = torch.randn(4, 49152)
+    x[1, 7] = x[1, 9] = x[1].max() + 1  # a tie: the first index
+    x[2, 100] = float("nan")  # a NaN is the maximum
+    x[3, 5] = x[3, 50] = float("nan")
+    assert lib.argmax(x).tolist() == torch.argmax(x, -1).tolist()
+    assert lib.argmax(x[:, ::2]) is None and lib.argmax(x.double()) is None

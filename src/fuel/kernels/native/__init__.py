@@ -92,6 +92,8 @@ class NativeKernels:
         lib.fuel_rope.restype = None
         lib.fuel_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.fuel_silu_mul.restype = None
+        lib.fuel_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.fuel_argmax.restype = None
         lib.fuel_pool_threads.argtypes = [ctypes.c_int]
         lib.fuel_pool_threads.restype = ctypes.c_int
         self._call = lib.fuel_matmul
@@ -122,6 +124,17 @@ class NativeKernels:
             return None
         out = torch.empty_like(gate)
         self._lib.fuel_silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        return out
+
+    def argmax(self, x: Any) -> Any | None:
+        """``torch.argmax(x, -1)`` of a contiguous f32 ``[rows, V]`` (first maximum; a NaN counts
+        as the maximum), in one pass; None for any other operand."""
+        import torch
+
+        if not (x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0):
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._lib.fuel_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out
 
     def pool_threads(self, threads: int) -> int:

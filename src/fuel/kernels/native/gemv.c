@@ -640,3 +640,21 @@ void fuel_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
         out[i] = g / (1.0f + expf(-g)) * up[i];
     }
 }
+
+/* Row-wise argmax of f32 x[R, V] (contiguous), torch's semantics: the first maximal index, and
+   a NaN counts as the maximum (its first index wins). */
+void fuel_argmax(const float *x, int64_t R, int64_t V, int64_t *out) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = x + r * V;
+        int64_t best_i = 0;
+        float best = row[0];
+        if (!isnan(best)) {
+            for (int64_t i = 1; i < V; i++) {
+                const float v = row[i];
+                if (v > best) { best = v; best_i = i; }
+                else if (isnan(v)) { best_i = i; break; }
+            }
+        }
+        out[r] = best_i;
+    }
+}
