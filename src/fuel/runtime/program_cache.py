@@ -54,14 +54,15 @@ MAGIC = b"fuel-program"
 
 @cache
 def code_digest() -> str:
-    """SHA-256 over fuel's own source and data files (every kernel, synthesizer, rule and
-    circuit): any change to what fuel would build changes every key."""
+    """SHA-256 over fuel's own source and data files (every kernel, the native kernels' C
+    source included, synthesizer, rule and circuit): any change to what fuel would build
+    changes every key."""
     import fuel
 
     root = Path(fuel.__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*")):
-        if path.suffix in (".py", ".toml", ".json") and "__pycache__" not in path.parts:
+        if path.suffix in (".py", ".toml", ".json", ".c") and "__pycache__" not in path.parts:
             digest.update(str(path.relative_to(root)).encode())
             digest.update(b"\0")
             digest.update(path.read_bytes())

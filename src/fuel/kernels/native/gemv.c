@@ -642,19 +642,33 @@ void fuel_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
 }
 
 /* Row-wise argmax of f32 x[R, V] (contiguous), torch's semantics: the first maximal index, and
-   a NaN counts as the maximum (its first index wins). */
+   a NaN counts as the maximum (its first index wins). Two vector passes over the row (it stays
+   in cache): the maximum and whether any NaN, then the first index holding it. */
 void fuel_argmax(const float *x, int64_t R, int64_t V, int64_t *out) {
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * V;
-        int64_t best_i = 0;
         float best = row[0];
-        if (!isnan(best)) {
-            for (int64_t i = 1; i < V; i++) {
-                const float v = row[i];
-                if (v > best) { best = v; best_i = i; }
-                else if (isnan(v)) { best_i = i; break; }
-            }
+        int nan = 0;
+        int64_t i = 0;
+#ifdef __AVX2__
+        __m256 m = _mm256_set1_ps(row[0]), bad = _mm256_setzero_ps();
+        for (; i + 8 <= V; i += 8) {
+            __m256 v = _mm256_loadu_ps(row + i);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            m = _mm256_max_ps(m, v);
         }
-        out[r] = best_i;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int j = 0; j < 8; j++) if (lanes[j] > best) best = lanes[j];
+        nan = _mm256_movemask_ps(bad) != 0;
+#endif
+        for (; i < V; i++) {
+            if (isnan(row[i])) nan = 1;
+            else if (row[i] > best) best = row[i];
+        }
+        int64_t at = 0;
+        if (nan) { while (!isnan(row[at])) at++; }
+        else if (!isnan(best)) { while (row[at] != best) at++; }
+        out[r] = at;
     }
 }
