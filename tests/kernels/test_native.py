@@ -140,9 +140,11 @@ def test_k_quants_of_smollm2_weights_match_the_reference(lib, layout):
         assert check.ok, f"{rows} rows: {check.report}"
 
 
-def test_the_portable_build_equals_the_reference(tmp_path):
-    """gemv.c without ``-march=native`` (baseline x86-64: no AVX2, no F16C) takes the portable
-    C paths, which a machine with AVX2 never runs otherwise: every format, streamed and tiled."""
+@pytest.mark.parametrize("isa", [(), ("-mavx2", "-mfma", "-mf16c")], ids=["portable", "avx2"])
+def test_the_portable_and_avx2_builds_equal_the_reference(tmp_path, isa):
+    """gemv.c without ``-march=native`` takes the paths this machine's native build skips: the
+    portable C (baseline x86-64: no AVX2, no F16C) and the AVX2 intrinsics (a CPU without
+    AVX-512): every format, streamed and tiled."""
     import ctypes
     import platform
     import shutil
@@ -152,7 +154,7 @@ def test_the_portable_build_equals_the_reference(tmp_path):
     if platform.machine() != "x86_64" or compiler is None or openmp is None:
         pytest.skip("the baseline build is checked on x86-64 with a C compiler and torch's libgomp")
     target = tmp_path / "portable.so"
-    flags = [f for f in native.FLAGS if not f.startswith("-march")]
+    flags = [f for f in native.FLAGS if not f.startswith("-march")] + list(isa)
     link = [f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
     done = subprocess.run([compiler, *flags, str(native.SOURCE), "-o", str(target), *link],
                           capture_output=True, text=True, timeout=300)

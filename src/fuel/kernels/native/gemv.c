@@ -28,6 +28,10 @@
             element 32s + l (s = 0..3, l = 0..31) has low nibble ql[64h + 32(s&1) + l] >> 4(s>>1)
             and high two bits (qh[32h + l] >> 2s) & 3.
 
+   Where the CPU has AVX-512 (the build is -march=native), a 32-element block's dot product runs
+   16 lanes wide (half the instructions of the AVX2 path); the AVX2 and portable paths are built
+   and checked by the tests on such a machine too.
+
    Activations stay f32 (no 8-bit rounding of x): each block's dot product is computed in f32
    from the dequantized-in-register weights, so a result equals the dequantize-then-matmul
    recipe within the rounding of a reordered f32 sum. For formats with an offset (m, or the -8
@@ -406,12 +410,68 @@ INLINE void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
     }
 }
 
+#ifdef __AVX512F__
+/* A block's 32 quants as two 16-byte halves (elements 0-15, 16-31), before d and m. */
+INLINE void block_halves(int fmt, const uint8_t *b, __m128i *lo, __m128i *hi) {
+    if (fmt == Q8_0) {
+        *lo = _mm_loadu_si128((const __m128i *)(b + 2));
+        *hi = _mm_loadu_si128((const __m128i *)(b + 18));
+        return;
+    }
+    const int off = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
+    const __m128i nib = _mm_set1_epi8(15);
+    __m128i v = _mm_loadu_si128((const __m128i *)(b + off));
+    *lo = _mm_and_si128(v, nib);
+    *hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+    if (fmt == Q5_0 || fmt == Q5_1) {
+        uint32_t qh = rd32(b + (fmt == Q5_0 ? 2 : 4));
+        const __m128i shuf = _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m128i bits = _mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1);
+        __m128i l = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh & 0xffff)), shuf);
+        __m128i h = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh >> 16)), shuf);
+        *lo = _mm_or_si128(*lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(l, bits), bits), _mm_set1_epi8(16)));
+        *hi = _mm_or_si128(*hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bits), bits), _mm_set1_epi8(16)));
+    }
+}
+
+/* sum_j q_j * x_j over one block, 16 lanes wide (AVX-512: half the instructions of AVX2). */
+INLINE __m512 block_dot512(int fmt, const uint8_t *b, const float *x) {
+    __m128i lo, hi;
+    block_halves(fmt, b, &lo, &hi);
+    __m512 a = fmt == Q8_0 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)) : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+    __m512 c = fmt == Q8_0 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)) : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+    return _mm512_fmadd_ps(c, _mm512_loadu_ps(x + 16), _mm512_mul_ps(a, _mm512_loadu_ps(x)));
+}
+#endif
+
 /* One output: packed row `row` against activation row x (with its per-block sums xs). */
 INLINE float dot_quant(int fmt, const uint8_t *row, const float *x, const float *xs, int64_t K) {
     const int bb = block_bytes(fmt);
     const int64_t blocks = K / 32;
     float bias = 0.0f;
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        const uint8_t *p0 = row + b * bb, *p1 = p0 + bb;
+        float d0 = half_to_float(rd16(p0)), d1 = half_to_float(rd16(p1));
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), block_dot512(fmt, p0, x + b * 32), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d1), block_dot512(fmt, p1, x + b * 32 + 32), acc1);
+        if (fmt == Q4_1 || fmt == Q5_1)
+            bias += half_to_float(rd16(p0 + 2)) * xs[b] + half_to_float(rd16(p1 + 2)) * xs[b + 1];
+        else if (fmt == Q4_0) bias -= 8.0f * (d0 * xs[b] + d1 * xs[b + 1]);
+        else if (fmt == Q5_0) bias -= 16.0f * (d0 * xs[b] + d1 * xs[b + 1]);
+    }
+    for (; b < blocks; b++) {
+        const uint8_t *p0 = row + b * bb;
+        float d0 = half_to_float(rd16(p0));
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), block_dot512(fmt, p0, x + b * 32), acc0);
+        if (fmt == Q4_1 || fmt == Q5_1) bias += half_to_float(rd16(p0 + 2)) * xs[b];
+        else if (fmt == Q4_0) bias -= 8.0f * d0 * xs[b];
+        else if (fmt == Q5_0) bias -= 16.0f * d0 * xs[b];
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + bias;
+#elif defined(__AVX2__)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < blocks; b += 2) {
