@@ -351,3 +351,16 @@ def test_argmax_keeps_torchs_first_maximum_and_nan_rules(lib):
     x[3, 5] = x[3, 50] = float("nan")
     assert lib.argmax(x).tolist() == torch.argmax(x, -1).tolist()
     assert lib.argmax(x[:, ::2]) is None and lib.argmax(x.double()) is None
+
+
+def test_kv_write_puts_each_row_in_its_slot_and_refuses_a_slot_outside(lib):
+    cache = torch.zeros(4, 2, 3, 5)
+    rows = torch.randn(3, 3, 5)
+    slots = torch.tensor([7, 0, 4])
+    want = cache.clone()
+    want.view(-1, 3, 5).index_copy_(0, slots, rows)
+    assert lib.kv_write(cache, rows, slots) and torch.equal(cache, want)
+    with pytest.raises(IndexError):
+        lib.kv_write(cache, rows, torch.tensor([1, 8, 2]))
+    assert torch.equal(cache, want), "nothing written when a slot is out of range"
+    assert not lib.kv_write(cache, rows, slots.to(torch.int32))  # torch's kernel takes it

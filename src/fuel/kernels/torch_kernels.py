@@ -94,9 +94,14 @@ def _index_select(node: Node):
 
 
 def _kv_cache_write(node: Node):
+    native = _native_stream()
+
     def write(cache, rows, slots):
         # The effect: the fed cache tensor is updated in place and returned, so readers that
-        # consume this node observe the write.
+        # consume this node observe the write. One native call (row copies into their slots)
+        # where the operands are contiguous f32 / int64; else torch's index_copy_.
+        if native is not None and cache.device.type == "cpu" and native.kv_write(cache, rows, slots):
+            return cache
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
         return cache
     return write

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -94,6 +95,9 @@ class NativeKernels:
         lib.fuel_silu_mul.restype = None
         lib.fuel_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.fuel_argmax.restype = None
+        lib.fuel_kv_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64]
+        lib.fuel_kv_write.restype = ctypes.c_int
         lib.fuel_pool_threads.argtypes = [ctypes.c_int]
         lib.fuel_pool_threads.restype = ctypes.c_int
         self._call = lib.fuel_matmul
@@ -136,6 +140,25 @@ class NativeKernels:
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._lib.fuel_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out
+
+    def kv_write(self, cache: Any, rows: Any, slots: Any) -> bool:
+        """Write ``rows [n, *cache.shape[2:]]`` into the paged ``cache [blocks, block_size, ...]``
+        at flat ``slots [n]`` (int64), in place. False (nothing written) when the operands are
+        not contiguous f32 / int64 of those shapes: the caller's torch kernel writes them.
+        Raises IndexError for a slot outside the cache (nothing written)."""
+        import torch
+
+        if not (cache.dtype == rows.dtype == torch.float32 and slots.dtype == torch.int64
+                and cache.is_contiguous() and rows.is_contiguous() and slots.is_contiguous()
+                and cache.dim() >= 2 and rows.dim() == cache.dim() - 1 and slots.dim() == 1
+                and rows.shape[0] == slots.shape[0] and rows.shape[1:] == cache.shape[2:]):
+            return False
+        slot_count = cache.shape[0] * cache.shape[1]
+        width = math.prod(rows.shape[1:])
+        if self._lib.fuel_kv_write(cache.data_ptr(), slot_count, width, rows.data_ptr(),
+                                   slots.data_ptr(), slots.shape[0]) != 0:
+            raise IndexError(f"a KV slot in {slots.tolist()} is outside the cache's {slot_count}")
+        return True
 
     def pool_threads(self, threads: int) -> int:
         """How many threads a parallel region of the library gets when asked for ``threads``."""

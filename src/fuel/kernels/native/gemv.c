@@ -751,3 +751,15 @@ void fuel_argmax(const float *x, int64_t R, int64_t V, int64_t *out) {
         out[r] = at;
     }
 }
+
+/* Paged KV cache write: row i of `rows` (row_elems contiguous f32) into slot slots[i] of the
+   cache (slot_count slots of row_elems). Returns -1, writing nothing, when a slot is out of
+   range (the caller raises, as index_copy_ does). */
+int fuel_kv_write(float *cache, int64_t slot_count, int64_t row_elems, const float *rows,
+                  const int64_t *slots, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= slot_count) return -1;
+    for (int64_t i = 0; i < n; i++)
+        memcpy(cache + slots[i] * row_elems, rows + i * row_elems, sizeof(float) * (size_t)row_elems);
+    return 0;
+}
