@@ -42,6 +42,28 @@ class _QuantRunner:
         return self._matmul(self._layout, x, w, self._cols)
 
 
+class _PagedRunner:
+    """Paged attention: decode rows (fewer than ``PREFILL_MIN_ROWS`` a sequence) of f32 operands
+    in one native call; everything else (prefill chunks, half-precision caches) by the numba
+    template's runner it wraps."""
+
+    def __init__(self, lib, paged, numba_run):
+        from fuel.jit.numba_synth import PREFILL_MIN_ROWS
+
+        self._attend = lib.paged_attn
+        self._scale, self._softcap = paged.softmax_scale, paged.softcap
+        self._numba = numba_run
+        self._prefill_rows = PREFILL_MIN_ROWS
+
+    def __call__(self, q, k_cache, v_cache, block_table, context_lens):
+        if q.shape[2] < self._prefill_rows:
+            out = self._attend(q, k_cache, v_cache, block_table, context_lens, self._scale,
+                               self._softcap)
+            if out is not None:
+                return out
+        return self._numba(q, k_cache, v_cache, block_table, context_lens)
+
+
 class CpuSynthesizer:
     """Native kernels for quantized matmuls, numba for everything else (module docs)."""
 
@@ -64,9 +86,13 @@ class CpuSynthesizer:
     def _native(self, request: JitRequest) -> SynthesisResult | None:
         if request.arch is not ArchSku.CPU:
             return None
-        quant = match_quant_linear(request.region)
+        from fuel.jit.paged import match_paged
         from fuel.kernels import native
 
+        paged = match_paged(request.region)
+        if paged is not None:
+            return self._paged(request, paged)
+        quant = match_quant_linear(request.region)
         if quant is None or quant.layout not in native.QUANT_LAYOUTS:
             return None
         if any(o.dtype.dtype.value != "f32" for o in (request.inputs[0], request.output)):
@@ -84,6 +110,32 @@ class CpuSynthesizer:
             entry_point, key, BackendId.CPU, KERNEL_SOURCE,
             _QuantRunner(lib, quant.layout, quant.cols), source,
             (time.perf_counter() - started) * 1e3, True)
+        return Synthesized(entry_point)
+
+    def _paged(self, request: JitRequest, paged) -> SynthesisResult | None:
+        """The numba template's kernel (it serves prefill chunks and half-precision caches)
+        with the native decode body in front of it, for f32 operands."""
+        from dataclasses import replace
+
+        from fuel.kernels import native
+
+        if any(o.dtype.dtype.value != "f32" for o in (request.inputs[0], request.output)):
+            return None
+        lib = native.load()
+        if isinstance(lib, native.Unavailable):
+            self.native_note = lib.reason
+            return None
+        answer = self.fallback.synthesize(request)
+        if not isinstance(answer, Synthesized):
+            return answer
+        kernel = self.fallback.take_kernel(answer.entry_point)
+        if kernel is None:
+            return None
+        entry_point = f"native:paged:{kernel.structure_key[:32]}"
+        self._ready[entry_point] = replace(
+            kernel, entry_point=entry_point, kernel_source=KERNEL_SOURCE,
+            run=_PagedRunner(lib, paged, kernel.run),
+            source=kernel.source + "\n# decode rows: fuel.kernels.native fuel_paged_attn\n")
         return Synthesized(entry_point)
 
     def take_kernel(self, entry_point: str) -> SynthesizedKernel | None:

@@ -98,6 +98,9 @@ class NativeKernels:
         lib.fuel_kv_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64]
         lib.fuel_kv_write.restype = ctypes.c_int
+        lib.fuel_paged_attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [
+            ctypes.c_int, ctypes.c_float, ctypes.c_float]
+        lib.fuel_paged_attn.restype = ctypes.c_int
         lib.fuel_pool_threads.argtypes = [ctypes.c_int]
         lib.fuel_pool_threads.restype = ctypes.c_int
         self._call = lib.fuel_matmul
@@ -159,6 +162,34 @@ class NativeKernels:
                                    slots.data_ptr(), slots.shape[0]) != 0:
             raise IndexError(f"a KV slot in {slots.tolist()} is outside the cache's {slot_count}")
         return True
+
+    def paged_attn(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, context_lens: Any,
+                   scale: float, softcap: float | None) -> Any | None:
+        """Paged attention of f32 ``q [B, Hq, L, D]`` over f32 caches ``[blocks, bs, Hkv, D]``
+        through ``block_table [B, W]`` / ``context_lens [B]`` (u32, i32 or i64, one dtype): the
+        paged-attention recipe's semantics (query ``i`` sees positions up to ``len - L + i``;
+        nothing visible is NaN). None when the operands have another dtype or layout. Raises
+        IndexError when a block a query reads is outside the cache."""
+        import torch
+
+        index = {torch.int64: 8, torch.int32: 4, torch.uint32: 4}.get(block_table.dtype)
+        if not (index and context_lens.dtype == block_table.dtype
+                and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+                and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and block_table.is_contiguous() and context_lens.is_contiguous()
+                and q.shape[3] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0):
+            return None
+        batch, heads, rows, width = q.shape
+        blocks, block_size, kv_heads, _ = k_cache.shape
+        out = torch.empty_like(q)
+        status = self._lib.fuel_paged_attn(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), batch, heads, rows, width, blocks,
+            block_size, kv_heads, block_table.shape[1], index, scale, softcap or 0.0)
+        if status != 0:
+            raise IndexError("a block the paged attention reads is outside the KV cache")
+        return out
 
     def pool_threads(self, threads: int) -> int:
         """How many threads a parallel region of the library gets when asked for ``threads``."""

@@ -763,3 +763,78 @@ int fuel_kv_write(float *cache, int64_t slot_count, int64_t row_elems, const flo
         memcpy(cache + slots[i] * row_elems, rows + i * row_elems, sizeof(float) * (size_t)row_elems);
     return 0;
 }
+
+/* Paged attention for decode rows, f32: q [B, Hq, L, D], caches [blocks, bs, Hkv, D], block
+   table [B, W] and context lengths [B] of `index_bytes` (4: u32/i32, 8: i64). Query i of
+   sequence b sits at position len - L + i and sees positions up to it (at most W * bs); a
+   query that sees nothing is NaN. Each kv head's query group is served from one pass over its
+   cached rows (GQA). Softcap 0 means none. Returns -1 (nothing written) when a block it would
+   read is outside the cache. Serial: a decode step has a few (sequence, kv head) tasks of microseconds. */
+static inline int64_t idx_at(const void *p, int64_t i, int index_bytes) {
+    return index_bytes == 8 ? ((const int64_t *)p)[i] : (int64_t)((const uint32_t *)p)[i];
+}
+
+int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void *table,
+                    const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
+                    int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
+                    float scale, float softcap) {
+    const int64_t group = Hq / Hkv, capacity = W * bs;
+    for (int64_t b = 0; b < B; b++) {  /* every block a query will read must be in the cache */
+        int64_t seen = idx_at(lens, b, index_bytes);
+        seen = seen > capacity ? capacity : seen;
+        for (int64_t j = 0; j * bs < seen; j++) {
+            const int64_t blk = idx_at(table, b * W + j, index_bytes);
+            if (blk < 0 || blk >= blocks) return -1;
+        }
+    }
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(capacity * group + 1));
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D + 1));
+    if (!scores || !acc) { free(scores); free(acc); return -1; }
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t context = idx_at(lens, b, index_bytes);
+        for (int64_t kv = 0; kv < Hkv; kv++)
+            for (int64_t i = 0; i < L; i++) {
+                int64_t visible = context - L + i + 1;
+                if (visible > capacity) visible = capacity;
+                if (visible <= 0) {
+                    for (int64_t g = 0; g < group; g++)
+                        for (int64_t d = 0; d < D; d++) out[((b * Hq + kv * group + g) * L + i) * D + d] = NAN;
+                    continue;
+                }
+                for (int64_t t = 0; t < visible; t++) {
+                    const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
+                    const float *key = kc + ((blk * bs + t % bs) * Hkv + kv) * D;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *query = q + ((b * Hq + kv * group + g) * L + i) * D;
+                        float dot = 0.0f;
+                        for (int64_t d = 0; d < D; d++) dot += query[d] * key[d];
+                        float s = dot * scale;
+                        if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
+                        scores[g * capacity + t] = s;
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    float *row = scores + g * capacity, top = -INFINITY, total = 0.0f;
+                    for (int64_t t = 0; t < visible; t++) if (row[t] > top) top = row[t];
+                    for (int64_t t = 0; t < visible; t++) { row[t] = expf(row[t] - top); total += row[t]; }
+                    const float inv = 1.0f / total;
+                    for (int64_t t = 0; t < visible; t++) row[t] *= inv;
+                }
+                for (int64_t e = 0; e < group * D; e++) acc[e] = 0.0f;
+                for (int64_t t = 0; t < visible; t++) {
+                    const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
+                    const float *value = vc + ((blk * bs + t % bs) * Hkv + kv) * D;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float w = scores[g * capacity + t];
+                        float *a = acc + g * D;
+                        for (int64_t d = 0; d < D; d++) a[d] += w * value[d];
+                    }
+                }
+                for (int64_t g = 0; g < group; g++)
+                    memcpy(out + ((b * Hq + kv * group + g) * L + i) * D, acc + g * D, sizeof(float) * (size_t)D);
+            }
+    }
+    free(scores);
+    free(acc);
+    return 0;
+}
