@@ -50,11 +50,10 @@ def test_explain_refuses_bad_options_in_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_explain_jit_shows_the_adopted_branches_of_the_real_decode_step(capsys, tmp_path,
-                                                                        monkeypatch):
+def test_explain_jit_shows_the_adopted_branches_of_the_real_decode_step(capsys,
+                                                                        cache_sharing_kernels):
     # Why: after adoption the lowered step carries one branch per unrunnable fused node; with no
     # Judge cell for the adopted arm it is unpriceable and the oracle (arm 0) stands.
-    monkeypatch.setenv("FUEL_CACHE_DIR", str(tmp_path))
     assert main(["explain", "smollm2-135m", "--jit", "--no-judge", "--context", "64"]) == 0
     out = capsys.readouterr().out
     assert "jit: paged_attn x30 -> f32[1, 9, 1, 64]: adopted" in out
