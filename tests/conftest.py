@@ -102,9 +102,44 @@ def smollm2_tokenizer(smollm2_weights):
 
 @pytest.fixture(scope="session")
 def smollm2_oracle(smollm2_weights):
+    """transformers' SmolLM2, whose greedy continuations are remembered for the session.
+
+    A greedy continuation is computed one token at a time from the prompt alone, so the first
+    ``n`` tokens of a longer stop-less run are exactly what ``greedy(prompt, n)`` computes, and
+    a ``stop`` list only ends it after the first stop token: every call is answered from the
+    longest run computed so far for its prompt (and a longer one is computed when needed)."""
     from fuel.runtime.oracle import oracle_for
 
-    return oracle_for(smollm2_weights)
+    oracle = oracle_for(smollm2_weights)
+    if "greedy" not in vars(oracle):
+        computed, runs = oracle.greedy, {}
+
+        def greedy(prompt, max_new_tokens, *, stop=()):
+            key = tuple(prompt)
+            if len(runs.get(key, ())) < max_new_tokens:
+                runs[key] = computed(prompt, max_new_tokens)
+            produced = []
+            for token in runs[key][:max_new_tokens]:
+                produced.append(token)
+                if token in stop:
+                    break
+            return produced
+
+        oracle.greedy = greedy
+    return oracle
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_weights):
+    """One f32 SmolLM2 engine (no JIT, context 256) for the modules that generate with it: a
+    program one builds (a prefill chunk, a decode or verify geometry) serves the others. Tests
+    free the sequences they add."""
+    import torch
+
+    from fuel.runtime.engine import Engine
+
+    torch.set_num_threads(2)
+    return Engine(smollm2_weights, max_context=256)
 
 
 @pytest.fixture
