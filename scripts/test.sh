@@ -6,6 +6,7 @@ bash scripts/setup.sh test
 # Compiled bytecode (fuel's and the assertion-rewritten tests') is kept between runs and
 # shared by both workers and every `python -m fuel` subprocess the tests start.
 unset PYTHONDONTWRITEBYTECODE
-# --dist loadgroup: a module whose tests share a module-scoped fixture runs on one worker
-# (tests/conftest.py marks it), so a built engine or JIT run is built once per session.
-exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"
+# --dist loadfile: a test file runs whole on one worker, so its module fixtures (a built engine,
+# a JIT run) are built once per session; files go out in tests/conftest.py's order (the ones
+# with slow tests first), not xdist's (most tests first).
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -42,17 +42,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (scripts/test.sh) a module whose tests share a module- or
-    class-scoped fixture (a built engine, a JIT run, a subprocess's results) runs on one worker,
-    so that fixture is built once, not once per worker (a module can also ask by its own
-    ``xdist_group`` mark); every other test balances alone."""
+    """Files with real-model or long-measurement tests (``slow``) first, most such tests first,
+    then files with module-scoped fixtures, each file's tests in their own order. scripts/test.sh runs ``--dist loadfile
+    --no-loadscope-reorder``: a file runs whole on one worker (its module fixtures, a built
+    engine or a JIT run, are built once, and the programs it stores in the session cache are
+    restored by its later tests), and the files are handed out in this order, so the long ones
+    start first and the many short ones fill the end on both workers."""
+    slow: dict[str, int] = {}
+    shared: set[str] = set()  # files with a module-scoped fixture (a built engine, a subprocess)
     for item in items:
+        path = item.nodeid.split("::")[0]
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
         info = getattr(item, "_fixtureinfo", None)
-        if info is None or item.get_closest_marker("xdist_group"):
-            continue
-        if any(defs and defs[-1].scope in ("module", "class", "package")
-               for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        if info is not None and any(defs and defs[-1].scope == "module"
+                                    for defs in info.name2fixturedefs.values()):
+            shared.add(path)
+    first_seen = {path: index for index, path in enumerate(dict.fromkeys(slow))}
+
+    def order(item: pytest.Item) -> tuple[int, bool, int]:
+        path = item.nodeid.split("::")[0]
+        return -slow[path], path not in shared, first_seen[path]
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,6 @@ import pytest
 
 from fuel.cli import main
 
-# One worker runs these: the programs the first run builds into the session cache are the ones
-# the demo restores (two workers would build them twice at once).
-pytestmark = pytest.mark.xdist_group("tests/cli/test_run_cli.py")
 
 
 @pytest.fixture(autouse=True)
