@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fuel.cli.app import main
+from tests.schemas import validate
 
 
 def test_explain_decode_step_shows_lowerings_and_jit_requests(capsys):
@@ -50,11 +51,10 @@ def test_explain_refuses_bad_options_in_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_explain_jit_shows_the_adopted_branches_of_the_real_decode_step(capsys, tmp_path,
-                                                                        monkeypatch):
+def test_explain_jit_shows_the_adopted_branches_of_the_real_decode_step(capsys,
+                                                                        cache_sharing_kernels):
     # Why: after adoption the lowered step carries one branch per unrunnable fused node; with no
     # Judge cell for the adopted arm it is unpriceable and the oracle (arm 0) stands.
-    monkeypatch.setenv("FUEL_CACHE_DIR", str(tmp_path))
     assert main(["explain", "smollm2-135m", "--jit", "--no-judge", "--context", "64"]) == 0
     out = capsys.readouterr().out
     assert "jit: paged_attn x30 -> f32[1, 9, 1, 64]: adopted" in out
@@ -67,14 +67,10 @@ def test_explain_jit_shows_the_adopted_branches_of_the_real_decode_step(capsys, 
 def _explain_json(capsys, *args):
     import json
 
-    import jsonschema
-
-    from fuel.report import load_schema
-
     assert main(["explain", "smollm2-135m", "--spec", "h100-sxm", "--no-judge", "--json",
                  *args]) == 0
     document = json.loads(capsys.readouterr().out)
-    jsonschema.validate(document, load_schema("explain"))
+    validate(document, "explain")
     return document
 
 
@@ -100,13 +96,10 @@ def test_explain_covers_prefill_and_verify_batch_steps(capsys, args, mode, rows,
 
 
 def test_the_json_record_of_a_baked_branch_has_every_arm_and_validates():
-    import jsonschema
-
     from fuel.graph import DType, FusedOpParams, FusedOps, Graph, OpKind
     from fuel.kernels import cpu_table
     from fuel.optimize import OptimizeOptions, optimize_graph
     from fuel.optimize.render import explanation_document
-    from fuel.report import load_schema
 
     from tests.optimize.builders import SPEC
 
@@ -120,7 +113,7 @@ def test_the_json_record_of_a_baked_branch_has_every_arm_and_validates():
     step = {"model": "hand-built", "mode": "decode", "rows": 1, "table": None, "device": "cpu",
             "spec": SPEC.name, "dtype": "f32", "context": 64, "judge_cells": 0, "jit": []}
     document = explanation_document(optimized, graph, step)
-    jsonschema.validate(document, load_schema("explain"))
+    validate(document, "explain")
     (decision,) = document["decisions"]
     (recorded,) = optimized.decisions
     assert decision["winner"] == recorded.winner and len(decision["arms"]) == 2

@@ -12,8 +12,9 @@ from fuel.graph import BackendId
 
 
 @pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FUEL_CACHE_DIR", str(tmp_path / "cache"))
+def isolated_cache(cache_sharing_kernels):
+    # An empty Judge store and probe; the compiled kernels are the session's.
+    return cache_sharing_kernels
 
 
 def test_jit_json_lists_the_lowered_decode_steps_requests_answers_errors_and_speeds(capsys):

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
-import jsonschema
 import pytest
 
 from fuel.cli import main
-
-SCHEMA = Path(__file__).resolve().parents[2] / "src" / "fuel" / "report" / "plan_report.schema.json"
+from tests.schemas import validate
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +36,7 @@ def report(capsys, *argv):
 
 def test_parallel_plan_report_validates_prices_collectives_and_solves_the_fit(capsys):
     parallel_report = report(capsys, "qwen2.5-3b", "--device", "a100-80gb", "--tp", "2", "--pp", "2")
-    jsonschema.validate(parallel_report, json.loads(SCHEMA.read_text()))
+    validate(parallel_report)
     par = parallel_report["parallel"]
     assert par["layout"] == {"tp": 2, "pp": 2, "ep": 1, "world": 4, "nodes": 1}
     assert par["interconnect"]["intra_node"]["name"] == "nvlink3"

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
 from fuel.cli.app import main
-from fuel.report import load_schema
+from tests.schemas import validate
 
-SCHEMA = load_schema()
 
 def test_json_output_validates_against_the_schema(capsys):
     assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    jsonschema.validate(doc, SCHEMA)
+    validate(doc)
     assert doc["model"]["name"] == "smollm2-135m"
     assert doc["device"]["name"] == "h100-sxm"
     assert doc["assumptions"]["context"] == 4096
@@ -87,7 +85,7 @@ def test_dtype_plans_the_runs_weights_and_activations(capsys):
     bf16 = json.loads(capsys.readouterr().out)
     assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--dtype", "f32", "--json"]) == 0
     f32 = json.loads(capsys.readouterr().out)
-    jsonschema.validate(f32, SCHEMA)
+    validate(f32)
     assert (bf16["model"]["weight_format"], f32["model"]["weight_format"]) == ("bf16", "f32")
     assert f32["weight_floor"]["weight_bytes"] == 2 * bf16["weight_floor"]["weight_bytes"]
     assert f32["memory_fit"]["kv_bytes_per_token"] == 2 * bf16["memory_fit"]["kv_bytes_per_token"]

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 
 from fuel.cli.app import main
-from fuel.report import load_schema
+from tests.schemas import validate
 
 RUN_REPORT = {
     "model": "tiny-qwen3-moe",
@@ -26,7 +25,7 @@ RUN_REPORT = {
 
 def notes_of(capsys) -> list[str]:
     doc = json.loads(capsys.readouterr().out)
-    jsonschema.validate(doc, load_schema())
+    validate(doc)
     return doc["assumptions"]["notes"]
 
 

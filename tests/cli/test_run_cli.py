@@ -5,7 +5,6 @@ longer than the cache."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -14,37 +13,12 @@ import pytest
 from fuel.cli import main
 
 
-@pytest.fixture(scope="module")
-def fuel_cache(tmp_path_factory) -> Path:
-    configured = os.environ.get("FUEL_CACHE_DIR")
-    return Path(configured) if configured else tmp_path_factory.mktemp("fuel-cache")
-
 
 @pytest.fixture(autouse=True)
 def shared_cache(fuel_cache, monkeypatch):
-    # One conversion of the default GGUF serves every command of this module.
+    # The commands read the session's cache: the weights the fixtures converted, and the
+    # kernels, programs and Judge rows earlier runs left there.
     monkeypatch.setenv("FUEL_CACHE_DIR", str(fuel_cache))
-
-
-@pytest.fixture(scope="module")
-def smollm2_weights(fuel_cache):
-    from fuel.runtime.weights import load_weights
-
-    return load_weights(cache=fuel_cache, progress=False)
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(smollm2_weights):
-    from fuel.runtime.tokenizer import load_tokenizer
-
-    return load_tokenizer(smollm2_weights.source.folder)
-
-
-@pytest.fixture(scope="module")
-def smollm2_oracle(smollm2_weights):
-    from fuel.runtime.oracle import oracle_for
-
-    return oracle_for(smollm2_weights)
 
 
 def _error_line(capsys) -> str:

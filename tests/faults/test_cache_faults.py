@@ -126,18 +126,16 @@ def test_a_healthy_read_only_cache_serves_runs(tmp_path, small_fs):
     assert all(again[n].equal(first[n]) for n in first.tensors)
 
 
-def test_a_damaged_read_only_cache_is_refused_in_one_line_never_used(tmp_path, small_fs, capsys):
+def test_a_damaged_read_only_cache_is_refused_in_one_line_never_used(tmp_path, small_fs, capsys,
+                                                                    monkeypatch):
     from fuel.cli.app import main
 
     model = write_tiny_gguf(tmp_path / "tiny.gguf", chat_template="{{ messages[0]['content'] }}")
     folder = convert_gguf(model.path, cache=small_fs.path, progress=False)
     _flip(folder / "model.safetensors")
     small_fs.make_read_only()
-    os.environ["FUEL_CACHE_DIR"] = str(small_fs.path)
-    try:
-        status = main(["run", str(model.path), "--dtype", "f32", "--no-jit", "-n", "2", "-p", "ab"])
-    finally:
-        del os.environ["FUEL_CACHE_DIR"]
+    monkeypatch.setenv("FUEL_CACHE_DIR", str(small_fs.path))
+    status = main(["run", str(model.path), "--dtype", "f32", "--no-jit", "-n", "2", "-p", "ab"])
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert status == 2

@@ -1,5 +1,6 @@
-"""One numba kernel cache per test session (compiles cost seconds; tests that need a cold cache
-make their own folder)."""
+"""One numba kernel cache per test session, the session cache's own (compiles cost seconds; the
+runtime and CLI tests' JIT runs load what these compiled and the other way round; tests that
+need a cold cache make their own folder)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from fuel.jit.numba_synth import NumbaSynthesizer
 
 
 @pytest.fixture(scope="session")
-def jit_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jit-cache")
+def jit_cache(fuel_cache):
+    return fuel_cache / "jit" / "numba"  # where NumbaSynthesizer() puts them by default
 
 
 @pytest.fixture

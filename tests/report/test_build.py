@@ -6,17 +6,14 @@ from __future__ import annotations
 import json
 from functools import cache
 
-import jsonschema
 import pytest
 
 from fuel.circuit import zoo
 from fuel.circuit.policy import build_policy
 from fuel.cost.devices import device
-from fuel.report import load_schema
 from fuel.report.build import (ReportOptions, build_report, device_info, kv_format_for,
                                rule_set_for)
-
-SCHEMA = load_schema()
+from tests.schemas import validate
 
 # NVIDIA H100 SXM memory bandwidth, 3,350 GB/s: the NVIDIA H100 datasheet as tabulated by
 # archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html ("GPU メモリ帯域幅 | 3,350 GB/sec").
@@ -90,7 +87,7 @@ def test_memory_fit_of_llama_8b_on_h100():
 @pytest.mark.parametrize("model", zoo.names())
 def test_every_zoo_model_reports_on_every_device_and_validates(model, device_name):
     doc = report(model, device_name)
-    jsonschema.validate(doc, SCHEMA)
+    validate(doc)
     assert [c["name"] for c in doc["roofline"]] == [
         "decode C=1", "decode C=16", "decode C=128", "prefill 4k", "prefill 32k"]
     assert all(c["ceiling_ns"] > 0 and c["with_launch_ns"] > c["ceiling_ns"]

@@ -1,13 +1,8 @@
-"""Shared runtime fixtures: the real SmolLM2 weights (converted once per session), its tokenizer
-and transformers oracle, and a tiny synthetic llama GGUF for fast, exact loader tests.
-
-The conversion cache is ``$FUEL_CACHE_DIR`` when set (so repeated runs reuse it), else a
-directory under pytest's session temp dir.
-"""
+"""Shared runtime fixtures: a tiny synthetic llama GGUF for fast, exact loader tests (the real
+SmolLM2 weights, tokenizer and oracle are session fixtures of tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,33 +10,6 @@ import numpy as np
 import pytest
 
 from fuel.runtime.gguf_loader import permute_rotary_rows, unpermute_rotary_rows
-
-
-@pytest.fixture(scope="session")
-def fuel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    configured = os.environ.get("FUEL_CACHE_DIR")
-    return Path(configured) if configured else tmp_path_factory.mktemp("fuel-cache")
-
-
-@pytest.fixture(scope="session")
-def smollm2_weights(fuel_cache: Path):
-    from fuel.runtime.weights import load_weights
-
-    return load_weights(cache=fuel_cache, progress=False)
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_weights):
-    from fuel.runtime.tokenizer import load_tokenizer
-
-    return load_tokenizer(smollm2_weights.source.folder)
-
-
-@pytest.fixture(scope="session")
-def smollm2_oracle(smollm2_weights):
-    from fuel.runtime.oracle import oracle_for
-
-    return oracle_for(smollm2_weights)
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ def test_chunks_cover_the_prompt_with_at_most_two_program_sizes(length, largest)
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_weights):
+def engine(smollm2_engine):
     torch.set_num_threads(2)
-    return Engine(smollm2_weights, max_context=256)
+    return smollm2_engine  # the session's: its programs are shared with the other modules
 
 
 @pytest.fixture(scope="module")

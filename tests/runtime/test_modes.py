@@ -23,9 +23,9 @@ def test_runs_of_groups_adjacent_equal_lengths():
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_weights):
+def engine(smollm2_engine):
     torch.set_num_threads(2)
-    return Engine(smollm2_weights, max_context=256)
+    return smollm2_engine  # the session's: its programs are shared with the other modules
 
 
 @pytest.fixture(scope="module")

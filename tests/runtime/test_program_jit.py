@@ -168,3 +168,86 @@ def test_adopted_kernel_judge_keys_are_stable_across_processes(tmp_path):
     assert first["keys"] == second["keys"]
     assert all(key[0].startswith("jit:") for key in first["keys"].values())
     assert first["keys"]["paged"][1] == "io:e9,e18,e18,e3,e0>e9"  # cache 64x16x3x64 = 2^17.6
+
+
+# A fresh process that builds (or restores) SmolLM2's programs through `fuel run`'s path
+# (load_model with the JIT and the default program cache, both under $FUEL_CACHE_DIR), counting
+# every call into the profiler (fuel.cost.profile.profile_kernel: the adoption gate's and the
+# Judge arms' timings) and every numba compilation (a disk-cache load is not one).
+COUNTING_RUN = """
+import json, sys
+
+import numba.core.dispatcher as dispatcher
+import fuel.cost.profile as profile
+
+counts = {"profile": 0, "compile": 0}
+timed = profile.profile_kernel
+
+
+def counted_profile(*args, **kwargs):
+    counts["profile"] += 1
+    return timed(*args, **kwargs)
+
+
+profile.profile_kernel = counted_profile
+for module in list(sys.modules.values()):  # modules that bound the name at import
+    if getattr(module, "profile_kernel", None) is timed:
+        module.profile_kernel = counted_profile
+compile_core = dispatcher._FunctionCompiler._compile_core
+
+
+def counted_compile(self, *args, **kwargs):
+    counts["compile"] += 1
+    return compile_core(self, *args, **kwargs)
+
+
+dispatcher._FunctionCompiler._compile_core = counted_compile
+
+import torch
+from fuel.runtime.generate import generate
+from fuel.runtime.model import load_model
+
+torch.set_num_threads(1)
+model = load_model(None, dtype="f32", max_context=256, progress=False, jit=True, program_cache=True)
+model.jit.profile_options = json.loads(sys.argv[1])
+ids = model.tokenizer.encode(model.tokenizer.format_prompt(sys.argv[2]))
+tokens = generate(model.engine, ids, 3).tokens  # a prefill and a decode program
+cache = model.engine.program_cache
+print(json.dumps({**counts, "tokens": tokens, "measured": len(model.jit.measured),
+                  "adopted": sum(e.record.adopted for e in model.jit.events),
+                  "stored": cache.stored, "restored": cache.restored, "notes": cache.notes,
+                  "programs": len(model.engine.programs())}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_restores_the_programs_and_measures_and_compiles_nothing(
+        smollm2_weights, fuel_cache, tmp_path):
+    # Why: a program build (JIT synthesis, verification, the cost gate, the Judge's arm
+    # measurements) costs seconds; a later `fuel run` on this machine must restore it from
+    # $FUEL_CACHE_DIR instead, timing nothing and compiling nothing, and run the same tokens.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    # The converted weights are shared with the session (converting again proves nothing
+    # here); the programs, the Judge store and the JIT's kernels start empty.
+    (cache / "weights").symlink_to(smollm2_weights.source.folder.parent, target_is_directory=True)
+
+    def run() -> dict:
+        env = dict(os.environ, FUEL_CACHE_DIR=str(cache))
+        out = subprocess.run([sys.executable, "-c", COUNTING_RUN, json.dumps(FAST), PROMPT],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["stored"] == first["programs"] >= 2 and first["restored"] == 0
+    assert first["adopted"] >= 1 and first["measured"] >= 1
+    assert first["profile"] >= first["measured"], "the first process times every cell it stores"
+    assert first["compile"] >= 1, "and compiles the kernels it adopts"
+    second = run()
+    assert second["restored"] == second["programs"] == first["programs"], second["notes"]
+    assert second["stored"] == 0 and second["notes"] == []
+    assert second["profile"] == 0, "a restored program is never timed again"
+    assert second["measured"] == 0 and second["adopted"] == 0
+    assert second["compile"] == 0, "its kernels load from the JIT's disk cache"
+    assert second["tokens"] == first["tokens"]

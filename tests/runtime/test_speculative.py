@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from fuel.circuit.ir import Section
-from fuel.runtime.engine import Engine
 from fuel.runtime.generate import generate
 from fuel.runtime.speculative import (
     EarlyExitDrafter, PromptLookupDrafter, accept, speculative_generate, speculative_generate_batch,
@@ -38,9 +37,9 @@ def test_prompt_lookup_copies_what_followed_the_latest_match():
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_weights):
+def engine(smollm2_engine):
     torch.set_num_threads(2)
-    return Engine(smollm2_weights, max_context=256)
+    return smollm2_engine  # the session's: its programs are shared with the other modules
 
 
 @pytest.fixture(scope="module")
