@@ -315,15 +315,25 @@ def test_layouts_the_library_lacks_go_to_numba(tmp_path):
     assert isinstance(answer, Declined) and "gguf/q3_k" in answer.reason  # numba's own reason
 
 
-@pytest.mark.parametrize("user, expected", [({}, "1000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
+@pytest.mark.parametrize("user, expected", [({}, "by load"), ({"GOMP_SPINCOUNT": "7"}, "7"),
                                             ({"OMP_WAIT_POLICY": "active"}, None)])
-def test_importing_fuel_bounds_the_pools_idle_spin_unless_the_user_chose(user, expected):
+def test_importing_fuel_sets_the_pools_idle_spin_by_load_unless_the_user_chose(user, expected):
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    done = subprocess.run([sys.executable, "-c", "import json, os, sys, fuel; print(json.dumps("
-                           "[os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules]))"],
+    done = subprocess.run([sys.executable, "-c", "import json, os, sys, fuel\n"
+                           "from fuel.kernels.threads import spin_count_for\n"
+                           "print(json.dumps([os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules,"
+                           " str(spin_count_for(os.getloadavg()[0], os.cpu_count()))]))"],
                           capture_output=True, text=True, env={**env, **user}, timeout=120)
-    spin, torch_loaded = json.loads(done.stdout)
-    assert spin == expected and not torch_loaded  # set before torch's OpenMP runtime loads
+    spin, torch_loaded, by_load = json.loads(done.stdout)
+    assert spin == (by_load if expected == "by load" else expected)
+    assert not torch_loaded  # set before torch's OpenMP runtime loads
+
+
+def test_the_spin_is_long_with_an_idle_core_and_short_on_a_busy_machine():
+    from fuel.kernels.threads import SPIN_BUSY, SPIN_IDLE, spin_count_for
+
+    assert spin_count_for(0.3, 2) == SPIN_IDLE > spin_count_for(1.8, 2) == SPIN_BUSY
+    assert spin_count_for(6.5, 2) == SPIN_BUSY and spin_count_for(2.5, 4) == SPIN_IDLE
 
 
 def test_rope_equals_the_rotate_half_recipe_on_strided_heads(lib):

@@ -18,22 +18,28 @@ hand-over; one pool costs nothing.
 torch's own ``libgomp``, so their parallel loops are regions of the same team torch uses, not a
 second pool.
 
-**Bounded spinning** (:func:`bound_pool_spin`). After a region, GNU OpenMP's threads spin
-``GOMP_SPINCOUNT`` iterations before they sleep (300,000 when nothing is set; one iteration is
-a ``pause``, tens of nanoseconds). On a busy 2-core machine both of a step's threads can land on
-one core; a spinning thread then holds the core the other needs, and every region (or every
-serial kernel after one) waits out the spin. Measured here with SmolLM2's stored Q4_1 decode
-step on 2 threads, load average 6-7 from other processes: 192 ms a step at 30,000 iterations,
-44 ms at 1,000, 39 ms at 0 (passive), against 41 ms on one thread; one Q4_1 1536x576 product
-took 7.6 ms a call at the default spin and 0.17 ms bounded. :data:`SPIN_COUNT` keeps a short
-spin, which still bridges back-to-back kernels on a quiet machine.
+**Idle spin by load** (:func:`bound_pool_spin`). After a region, GNU OpenMP's threads spin
+``GOMP_SPINCOUNT`` iterations before they sleep (300,000 when nothing is set; an iteration is a
+``pause``, tens of nanoseconds). Measured here with SmolLM2's stored Q4_1 decode step on 2
+threads (``benchmarks/profile_step.py --jit --dtype stored``):
+
+- quiet machine: 32 ms a step at 100,000-300,000 iterations, 34 ms at 10,000, 37 ms at 3,000,
+  51-58 ms at 1,000 or 0 (a sleeping thread takes tens of microseconds to wake on this VM, and a
+  step has ~200 parallel regions); 51 ms on one thread.
+- busy machine (load average 6-7 from other processes): 192 ms at 30,000, 44 ms at 1,000, 39 ms
+  at 0; one Q4_1 1536x576 product took 7.6 ms a call at the default spin, 0.17 ms bounded. Both
+  threads land on one core, and a spinning thread holds the core its partner needs.
+
+So the spin follows the machine: :func:`spin_count_for` gives :data:`SPIN_IDLE` iterations when
+the load average leaves a core idle, :data:`SPIN_BUSY` otherwise (read once, when fuel is
+imported: OpenMP reads the variable once, when torch loads).
 
 Invariants:
 - :func:`set_threads` is the only place fuel sizes a pool; the count it returns is the one in
   effect for every kernel (the run report prints it).
 - No numba kernel of fuel's is compiled with ``parallel=True``.
-- ``GOMP_SPINCOUNT`` is set to :data:`SPIN_COUNT` when ``fuel`` is imported, unless the user
-  set it or ``OMP_WAIT_POLICY`` (their choice stands).
+- ``GOMP_SPINCOUNT`` is set by :func:`spin_count_for` when ``fuel`` is imported, unless the
+  user set it or ``OMP_WAIT_POLICY`` (their choice stands).
 """
 
 from __future__ import annotations
@@ -47,14 +53,27 @@ POOL = "torch intra-op (OpenMP)"
 """The pool every kernel runs on, for reports."""
 
 
-SPIN_COUNT = "1000"
-"""Iterations an idle pool thread spins before sleeping (see the module docs)."""
+SPIN_IDLE = 100_000
+"""Iterations an idle pool thread spins before sleeping when the machine has an idle core."""
+SPIN_BUSY = 1_000
+"""... when it has none (see the module docs)."""
+
+
+def spin_count_for(load: float, cores: int) -> int:
+    """The idle spin for a machine whose 1-minute load average is ``load`` on ``cores`` cores."""
+    return SPIN_IDLE if load <= cores - 1 else SPIN_BUSY
 
 
 def bound_pool_spin() -> None:
-    """Bound the OpenMP pool's idle spinning (module docs), unless the user chose a policy."""
-    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    """Set the OpenMP pool's idle spin by the machine's load (module docs), unless the user
+    chose a policy (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` set)."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    os.environ["GOMP_SPINCOUNT"] = str(spin_count_for(load, os.cpu_count() or 1))
 
 
 def set_threads(threads: int | None) -> int:
@@ -66,4 +85,5 @@ def set_threads(threads: int | None) -> int:
     return count
 
 
-__all__ = ["NUMBA_PARALLEL", "POOL", "SPIN_COUNT", "bound_pool_spin", "set_threads"]
+__all__ = ["NUMBA_PARALLEL", "POOL", "SPIN_BUSY", "SPIN_IDLE", "bound_pool_spin", "set_threads",
+           "spin_count_for"]
