@@ -187,3 +187,15 @@ def write_json(tmp_path: Path) -> Callable[[str, object], Path]:
     return write
 
 
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread_per_xdist_worker():
+    """Under ``-n 2`` each worker owns one core: torch's pool starts each test at one thread
+    (two workers with two threads each oversubscribe a 2-core machine, and a parallel region
+    then waits a time slice for its second thread). A test that needs more sets them itself."""
+    import sys
+
+    if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+    yield

@@ -128,66 +128,54 @@ static inline float hsum(__m256 v) {
 static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 static inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-/* sum_j q_j * x_j over one block (the integer part, before d), 8 lanes wide. */
-INLINE __m256 block_dot(int fmt, const uint8_t *b, const float *x) {
-    __m128i lo, hi;
+/* A block's 32 quants as two 16-byte halves (elements 0-15, 16-31), before d and m. */
+INLINE void block_halves(int fmt, const uint8_t *b, __m128i *lo, __m128i *hi) {
     if (fmt == Q8_0) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(b + 2)), c = _mm_loadu_si128((const __m128i *)(b + 18));
-        __m256 s = _mm256_mul_ps(i8x8_to_ps(a), _mm256_loadu_ps(x));
-        s = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(a, 8)), _mm256_loadu_ps(x + 8), s);
-        s = _mm256_fmadd_ps(i8x8_to_ps(c), _mm256_loadu_ps(x + 16), s);
-        return _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(c, 8)), _mm256_loadu_ps(x + 24), s);
-    }
-    const int off = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
-    const __m128i nib = _mm_set1_epi8(15);
-    __m128i v = _mm_loadu_si128((const __m128i *)(b + off));
-    lo = _mm_and_si128(v, nib);
-    hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-    if (fmt == Q5_0 || fmt == Q5_1) {
-        uint32_t qh = rd32(b + (fmt == Q5_0 ? 2 : 4));
-        /* bit j of qh -> byte j: spread the 16 low bits (and the 16 high ones) over 16 bytes. */
-        const __m128i shuf = _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        const __m128i bits = _mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1);
-        __m128i l = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh & 0xffff)), shuf);
-        __m128i h = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh >> 16)), shuf);
-        l = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(l, bits), bits), _mm_set1_epi8(16));
-        h = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bits), bits), _mm_set1_epi8(16));
-        lo = _mm_or_si128(lo, l);
-        hi = _mm_or_si128(hi, h);
-    }
-    __m256 s = _mm256_mul_ps(u8x8_to_ps(lo), _mm256_loadu_ps(x));
-    s = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(x + 8), s);
-    s = _mm256_fmadd_ps(u8x8_to_ps(hi), _mm256_loadu_ps(x + 16), s);
-    return _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(x + 24), s);
-}
-#endif
-
-#ifdef __AVX2__
-/* The 32 quants of a block as four f32 vectors (before d and m). */
-INLINE void block_unpack(int fmt, const uint8_t *b, __m256 q[4]) {
-    if (fmt == Q8_0) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(b + 2)), c = _mm_loadu_si128((const __m128i *)(b + 18));
-        q[0] = i8x8_to_ps(a); q[1] = i8x8_to_ps(_mm_srli_si128(a, 8));
-        q[2] = i8x8_to_ps(c); q[3] = i8x8_to_ps(_mm_srli_si128(c, 8));
+        *lo = _mm_loadu_si128((const __m128i *)(b + 2));
+        *hi = _mm_loadu_si128((const __m128i *)(b + 18));
         return;
     }
     const int off = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
     const __m128i nib = _mm_set1_epi8(15);
     __m128i v = _mm_loadu_si128((const __m128i *)(b + off));
-    __m128i lo = _mm_and_si128(v, nib), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+    *lo = _mm_and_si128(v, nib);
+    *hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
     if (fmt == Q5_0 || fmt == Q5_1) {
         uint32_t qh = rd32(b + (fmt == Q5_0 ? 2 : 4));
         const __m128i shuf = _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         const __m128i bits = _mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1);
         __m128i l = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh & 0xffff)), shuf);
         __m128i h = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh >> 16)), shuf);
-        lo = _mm_or_si128(lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(l, bits), bits), _mm_set1_epi8(16)));
-        hi = _mm_or_si128(hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bits), bits), _mm_set1_epi8(16)));
+        *lo = _mm_or_si128(*lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(l, bits), bits), _mm_set1_epi8(16)));
+        *hi = _mm_or_si128(*hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bits), bits), _mm_set1_epi8(16)));
     }
-    q[0] = u8x8_to_ps(lo); q[1] = u8x8_to_ps(_mm_srli_si128(lo, 8));
-    q[2] = u8x8_to_ps(hi); q[3] = u8x8_to_ps(_mm_srli_si128(hi, 8));
+}
+
+/* A half's 16 quants as two f32 vectors (int8 for Q8_0, unsigned otherwise). */
+INLINE void half_to_ps(int fmt, __m128i v, __m256 *a, __m256 *c) {
+    *a = fmt == Q8_0 ? i8x8_to_ps(v) : u8x8_to_ps(v);
+    *c = fmt == Q8_0 ? i8x8_to_ps(_mm_srli_si128(v, 8)) : u8x8_to_ps(_mm_srli_si128(v, 8));
+}
+
+/* The 32 quants of a block as four f32 vectors (before d and m). */
+INLINE void block_unpack(int fmt, const uint8_t *b, __m256 q[4]) {
+    __m128i lo, hi;
+    block_halves(fmt, b, &lo, &hi);
+    half_to_ps(fmt, lo, &q[0], &q[1]);
+    half_to_ps(fmt, hi, &q[2], &q[3]);
+}
+
+/* sum_j q_j * x_j over one block (the integer part, before d), 8 lanes wide. */
+INLINE __m256 block_dot(int fmt, const uint8_t *b, const float *x) {
+    __m256 q[4];
+    block_unpack(fmt, b, q);
+    __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), s);
+    return _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), s);
 }
 #endif
+
 
 /* ---- K-quants (q4_k, q5_k, q6_k): 256-weight super-blocks ---------------------------------- */
 
@@ -411,29 +399,6 @@ INLINE void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
 }
 
 #ifdef __AVX512F__
-/* A block's 32 quants as two 16-byte halves (elements 0-15, 16-31), before d and m. */
-INLINE void block_halves(int fmt, const uint8_t *b, __m128i *lo, __m128i *hi) {
-    if (fmt == Q8_0) {
-        *lo = _mm_loadu_si128((const __m128i *)(b + 2));
-        *hi = _mm_loadu_si128((const __m128i *)(b + 18));
-        return;
-    }
-    const int off = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
-    const __m128i nib = _mm_set1_epi8(15);
-    __m128i v = _mm_loadu_si128((const __m128i *)(b + off));
-    *lo = _mm_and_si128(v, nib);
-    *hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-    if (fmt == Q5_0 || fmt == Q5_1) {
-        uint32_t qh = rd32(b + (fmt == Q5_0 ? 2 : 4));
-        const __m128i shuf = _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        const __m128i bits = _mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1);
-        __m128i l = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh & 0xffff)), shuf);
-        __m128i h = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(qh >> 16)), shuf);
-        *lo = _mm_or_si128(*lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(l, bits), bits), _mm_set1_epi8(16)));
-        *hi = _mm_or_si128(*hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bits), bits), _mm_set1_epi8(16)));
-    }
-}
-
 /* sum_j q_j * x_j over one block, 16 lanes wide (AVX-512: half the instructions of AVX2). */
 INLINE __m512 block_dot512(int fmt, const uint8_t *b, const float *x) {
     __m128i lo, hi;
@@ -443,6 +408,29 @@ INLINE __m512 block_dot512(int fmt, const uint8_t *b, const float *x) {
     return _mm512_fmadd_ps(c, _mm512_loadu_ps(x + 16), _mm512_mul_ps(a, _mm512_loadu_ps(x)));
 }
 #endif
+
+/* The offset term's weight for one block: w = d * q + m, so the block adds m * sum(x). */
+INLINE float block_offset(int fmt, const uint8_t *p, float d) {
+    return fmt == Q4_1 || fmt == Q5_1 ? half_to_float(rd16(p + 2))
+         : fmt == Q4_0 ? -8.0f * d : fmt == Q5_0 ? -16.0f * d : 0.0f;
+}
+
+/* Two blocks a step into two accumulators, then the remainder, at one vector width (FMADD and
+   SET1 its intrinsics, DOT its block dot product); reads and updates b, acc0, acc1, bias. */
+#define BLOCK_LOOPS(FMADD, SET1, DOT)                                                         \
+    for (; b + 1 < blocks; b += 2) {                                                          \
+        const uint8_t *p0 = row + b * bb, *p1 = p0 + bb;                                      \
+        const float d0 = half_to_float(rd16(p0)), d1 = half_to_float(rd16(p1));               \
+        acc0 = FMADD(SET1(d0), DOT(fmt, p0, x + b * 32), acc0);                               \
+        acc1 = FMADD(SET1(d1), DOT(fmt, p1, x + b * 32 + 32), acc1);                          \
+        bias += block_offset(fmt, p0, d0) * xs[b] + block_offset(fmt, p1, d1) * xs[b + 1];    \
+    }                                                                                         \
+    for (; b < blocks; b++) {                                                                 \
+        const uint8_t *p0 = row + b * bb;                                                     \
+        const float d0 = half_to_float(rd16(p0));                                             \
+        acc0 = FMADD(SET1(d0), DOT(fmt, p0, x + b * 32), acc0);                               \
+        bias += block_offset(fmt, p0, d0) * xs[b];                                            \
+    }
 
 /* One output: packed row `row` against activation row x (with its per-block sums xs). */
 INLINE float dot_quant(int fmt, const uint8_t *row, const float *x, const float *xs, int64_t K) {
@@ -471,46 +459,12 @@ INLINE float dot_quant(int fmt, const uint8_t *row, const float *x, const float 
         biasv = _mm_add_ss(biasv, _mm_movehdup_ps(biasv));
         bias += _mm_cvtss_f32(biasv);
     }
-    for (; b + 1 < blocks; b += 2) {
-        const uint8_t *p0 = row + b * bb, *p1 = p0 + bb;
-        float d0 = half_to_float(rd16(p0)), d1 = half_to_float(rd16(p1));
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), block_dot512(fmt, p0, x + b * 32), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d1), block_dot512(fmt, p1, x + b * 32 + 32), acc1);
-        if (fmt == Q4_1 || fmt == Q5_1)
-            bias += half_to_float(rd16(p0 + 2)) * xs[b] + half_to_float(rd16(p1 + 2)) * xs[b + 1];
-        else if (fmt == Q4_0) bias -= 8.0f * (d0 * xs[b] + d1 * xs[b + 1]);
-        else if (fmt == Q5_0) bias -= 16.0f * (d0 * xs[b] + d1 * xs[b + 1]);
-    }
-    for (; b < blocks; b++) {
-        const uint8_t *p0 = row + b * bb;
-        float d0 = half_to_float(rd16(p0));
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), block_dot512(fmt, p0, x + b * 32), acc0);
-        if (fmt == Q4_1 || fmt == Q5_1) bias += half_to_float(rd16(p0 + 2)) * xs[b];
-        else if (fmt == Q4_0) bias -= 8.0f * d0 * xs[b];
-        else if (fmt == Q5_0) bias -= 16.0f * d0 * xs[b];
-    }
+    BLOCK_LOOPS(_mm512_fmadd_ps, _mm512_set1_ps, block_dot512)
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + bias;
 #elif defined(__AVX2__)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t b = 0;
-    for (; b + 1 < blocks; b += 2) {
-        const uint8_t *p0 = row + b * bb, *p1 = p0 + bb;
-        float d0 = half_to_float(rd16(p0)), d1 = half_to_float(rd16(p1));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), block_dot(fmt, p0, x + b * 32), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), block_dot(fmt, p1, x + b * 32 + 32), acc1);
-        if (fmt == Q4_1 || fmt == Q5_1)
-            bias += half_to_float(rd16(p0 + 2)) * xs[b] + half_to_float(rd16(p1 + 2)) * xs[b + 1];
-        else if (fmt == Q4_0) bias -= 8.0f * (d0 * xs[b] + d1 * xs[b + 1]);
-        else if (fmt == Q5_0) bias -= 16.0f * (d0 * xs[b] + d1 * xs[b + 1]);
-    }
-    for (; b < blocks; b++) {
-        const uint8_t *p0 = row + b * bb;
-        float d0 = half_to_float(rd16(p0));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), block_dot(fmt, p0, x + b * 32), acc0);
-        if (fmt == Q4_1 || fmt == Q5_1) bias += half_to_float(rd16(p0 + 2)) * xs[b];
-        else if (fmt == Q4_0) bias -= 8.0f * d0 * xs[b];
-        else if (fmt == Q5_0) bias -= 16.0f * d0 * xs[b];
-    }
+    BLOCK_LOOPS(_mm256_fmadd_ps, _mm256_set1_ps, block_dot)
     return hsum(_mm256_add_ps(acc0, acc1)) + bias;
 #else
     int32_t q[32]; float d, m, total = 0.0f;
