@@ -69,9 +69,6 @@ class Unavailable:
 
     reason: str
 
-    def __bool__(self) -> bool:
-        return False
-
 
 class NativeKernels:
     """The loaded library: :meth:`matmul` on torch tensors."""
@@ -207,22 +204,9 @@ class NativeKernels:
 
         code = FORMAT_CODES[fmt]
         threads = threads if threads is not None else torch.get_num_threads()
-        if (x.dim() == 2 and x.shape[0] <= STREAM_ROWS and x.dtype == torch.float32
-                and x.is_contiguous() and w.is_contiguous()):
-            # The decode shape, with nothing to convert: one allocation and the call (a step
-            # makes ~200 of these; the general path below costs ~4 us more each).
-            out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-            if self._call(code, x.data_ptr(), w.data_ptr(), out.data_ptr(), x.shape[0],
-                          w.shape[0], cols, w.stride(0) * w.element_size(), threads) != 0:
-                raise ValueError(f"native matmul refused {fmt} with {cols} columns")
-            return out
         lead = tuple(x.shape[:-1])
-        rows = x if x.dim() == 2 else x.reshape(-1, cols)
-        if rows.dtype != torch.float32:
-            rows = rows.float()
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        weight = w if w.is_contiguous() else w.contiguous()
+        rows = (x if x.dim() == 2 else x.reshape(-1, cols)).to(torch.float32).contiguous()
+        weight = w.contiguous()
         n = weight.shape[0]
         row_bytes = weight.stride(0) * weight.element_size()
         out = torch.empty((rows.shape[0], n), dtype=torch.float32)
@@ -305,21 +289,20 @@ def _build_and_load() -> NativeKernels | Unavailable:
         _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:24]
     folder = cache_dir() / "native" / key
     target = folder / "libfuelgemv.so"
-    for attempt in range(2):
+    import torch  # noqa: F401 — torch's libgomp must be loaded first (one runtime)
+
+    error: OSError | None = None
+    for _ in range(2):  # a cached library that does not load is built again, once
         if not target.exists():
             built = _compile(compiler, openmp, folder, target)
             if isinstance(built, Unavailable):
                 return built
         try:
-            import torch  # noqa: F401 — torch's libgomp must be loaded first (one runtime)
-
-            lib = ctypes.CDLL(str(target))
-            return NativeKernels(lib, target, version)
-        except OSError as error:
+            return NativeKernels(ctypes.CDLL(str(target)), target, version)
+        except OSError as failed:
+            error = failed
             target.unlink(missing_ok=True)
-            if attempt:
-                return Unavailable(f"the native library built but does not load: {error}")
-    return Unavailable("unreachable")
+    return Unavailable(f"the native library built but does not load: {error}")
 
 
 def _compile(compiler: str, openmp: Path, folder: Path, target: Path) -> None | Unavailable:
