@@ -70,7 +70,7 @@ def _fixed(fn: Callable[..., Any]) -> KernelFactory:
 def _argmax(node: Node):
     attrs = _attrs(node)
     dim, keepdim = attrs["dim"], attrs["keepdim"]
-    native = _native_stream() if not keepdim else None
+    native = _native_library() if not keepdim else None
 
     def argmax(x):
         # The greedy pick over a vocabulary row: one native pass where torch's reduction costs
@@ -94,7 +94,7 @@ def _index_select(node: Node):
 
 
 def _kv_cache_write(node: Node):
-    native = _native_stream()
+    native = _native_library()
 
     def write(cache, rows, slots):
         # The effect: the fed cache tensor is updated in place and returned, so readers that
@@ -295,7 +295,7 @@ def _layer_norm(node: Node):
 
 
 def _rope(node: Node):
-    native = _native_stream()
+    native = _native_library()
 
     def rope(x, cos, sin):
         if native is not None and x.device.type == "cpu":
@@ -310,7 +310,7 @@ def _rope(node: Node):
 
 
 def _silu_mul(node: Node):
-    native = _native_stream()
+    native = _native_library()
 
     def silu_mul(gate, up):
         if native is not None and gate.device.type == "cpu":
@@ -389,12 +389,12 @@ def _native_serves(node: Node, inputs: Sequence[Node], rank: int | None = None) 
     operands have the rank its kernel takes)."""
     if node.dtype is not DType.F32 or (rank is not None and len(inputs[0].shape.dims) != rank):
         return False
-    return _native_stream() is not None
+    return _native_library() is not None
 
 
-def _native_stream():
-    """The native kernels' streaming matmul when they load here (``fuel.kernels.native``), else
-    None. Looked up once per kernel factory, so a run pays the build or load once."""
+def _native_library():
+    """The native kernels (``fuel.kernels.native``) when they load here, else None. Looked up
+    once per kernel factory; the library is built or loaded once per process."""
     from fuel.kernels import native
 
     lib = native.load()
@@ -402,13 +402,14 @@ def _native_stream():
 
 
 def _fused_linear(node: Node):
-    stream = _native_stream()
+    stream = _native_library()
     from fuel.kernels.native import STREAM_ROWS
 
     def linear(x, w, bias=None):
         # Decode shapes (a few rows) read the checkpoint weight once at memory bandwidth in the
         # native kernel (f16/bf16 loaded as they are, f32 accumulation); torch's M=1 paths read
-        # at a fraction of it on this CPU (benchmarks/bench_linear.py). GEMM shapes use torch.
+        # at a fraction of it on this CPU (the probe's 8.4 GB/s f32 GEMV before, 21-26 GB/s
+        # with this path: `fuel devices --probe`). GEMM shapes use torch.
         if (stream is not None and x.device.type == "cpu" and w.dim() == 2
                 and w.dtype in _NATIVE_FORMATS and x.numel() <= STREAM_ROWS * x.shape[-1]):
             out = stream.matmul(_NATIVE_FORMATS[w.dtype], x, w, x.shape[-1])

@@ -868,6 +868,16 @@ def lower(plan: FusionPlan, circuit: Circuit, weights: Mapping[str, Any], shape:
     return _Lowerer(circuit, plan, shapes, dtype, shape, packed_layouts(weights)).run()
 
 
+def _row_layout(fmt: str | None) -> str | None:
+    """The packed-row layout of a weight format name (``gguf/q4_1`` -> ``q4_1``, a half-precision
+    matrix ``bf16`` -> ``bf16``), None for a plain tensor."""
+    from fuel.circuit.format import HALF_ROWS
+
+    if fmt and fmt.startswith("gguf/"):
+        return fmt.removeprefix("gguf/")
+    return fmt if fmt in HALF_ROWS else None
+
+
 def packed_layouts(weights: Mapping[str, Any]) -> dict[str, str]:
     """Binding path → llama.cpp block layout of every packed weight (``Weights.formats`` or a
     :class:`~fuel.runtime.program.WeightStore` over one; empty for plain weights)."""
@@ -876,14 +886,14 @@ def packed_layouts(weights: Mapping[str, Any]) -> dict[str, str]:
         return {}
     layouts = {}
     for name in weights:
-        fmt = format_of(name)
-        if fmt and (fmt.startswith("gguf/") or fmt in ("f16", "bf16")):
-            layouts[name] = fmt.removeprefix("gguf/")
+        layout = _row_layout(format_of(name))
+        if layout:
+            layouts[name] = layout
     aliases = getattr(weights, "aliases", None) or getattr(getattr(weights, "_tensors", None), "aliases", {})
     for alias in aliases or {}:
-        fmt = format_of(alias)
-        if fmt and (fmt.startswith("gguf/") or fmt in ("f16", "bf16")):
-            layouts[alias] = fmt.removeprefix("gguf/")
+        layout = _row_layout(format_of(alias))
+        if layout:
+            layouts[alias] = layout
     return layouts
 
 

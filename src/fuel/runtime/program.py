@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from fuel.circuit.format import HALF_ROWS
 from fuel.graph.branch import lower as lower_order
 from fuel.graph.dtype import BackendId, Device
 from fuel.graph.ir import Fused, Input
@@ -83,7 +84,7 @@ class WeightStore(Mapping[str, "torch.Tensor"]):
         if name in self._derived:
             return self._derived[name]
         tensor = self._tensors[name]
-        if tensor.dtype.itemsize == 2 and self.format_of(name) in ("bf16", "f16"):
+        if tensor.dtype.itemsize == 2 and self.format_of(name) in HALF_ROWS:
             import torch
 
             # A half-precision matrix runs as packed rows of 2-byte elements (its bytes, no copy).
