@@ -89,7 +89,9 @@ def quant_main(repeats: int) -> int:
     from fuel.graph.registry import FusedOpParams, FusedOps
     from fuel.kernels.quant_blocks import KERNEL_LAYOUTS, dequantize, packed_row_bytes, random_blocks
 
-    synth = NumbaSynthesizer()
+    from fuel.jit.native_synth import CpuSynthesizer
+
+    synth = CpuSynthesizer()  # what a run adopts: the native kernel, numba where it has none
     print(f"\n{'layout':<7} {'weight':<11} {'kernel':>10} {'decomposed':>11} {'speedup':>8} "
           f"{'f32 mm':>9}  max error / verdict")
     failed = 0
