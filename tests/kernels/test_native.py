@@ -404,3 +404,20 @@ def test_paged_attention_decode_equals_the_numba_template(lib, index, tmp_path):
     assert max(scores) < 1e-5
     with pytest.raises(IndexError):
         lib.paged_attn(q, k_cache, v_cache, torch.full_like(table, 10), lens, 0.25, None)
+
+
+@pytest.mark.parametrize("layout", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k",
+                                    "q6_k", "f16", "bf16"])
+def test_native_dequantize_is_bit_equal_to_the_gguf_reference(lib, layout):
+    """The DEQUANTIZE primitive's CPU kernel runs the native dequantizer: it must give exactly
+    the reference's values (arm 0, the oracle, is computed with it), leading dims kept."""
+    generator = torch.Generator().manual_seed(7)
+    if layout in ("f16", "bf16"):
+        half = torch.float16 if layout == "f16" else torch.bfloat16
+        w = torch.randn(3, 5, 512, generator=generator).to(half).view(torch.uint8)
+    else:
+        w = random_blocks(layout, 15, 512, generator).reshape(3, 5, -1)
+    got = lib.dequantize(layout, w, 512)
+    assert got is not None and got.shape == (3, 5, 512)
+    assert torch.equal(got, dequantize(w, layout, 512))
+    assert lib.dequantize("q2_k", w, 512) is None  # a format the library lacks: the caller's

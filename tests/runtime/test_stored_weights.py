@@ -121,13 +121,15 @@ def test_stored_run_equals_the_dequantized_run(stored, dequantized):
 
 def test_stored_run_with_adopted_kernels_equals_the_dequantized_run(shipped_mix, tmp_path,
                                                                     fuel_cache):
-    from fuel.jit.numba_synth import NumbaSynthesizer
+    from fuel.jit.native_synth import CpuSynthesizer
     from fuel.kernels import cpu_table
     from fuel.runtime.model import jit_options
 
     table = cpu_table()
+    # The CPU synthesizer fuel runs with (native quantized matmuls): numba's serial template
+    # alone can lose to the recipe (the native dequantizer + GEMV), and then arm 0 rightly stays.
     options = jit_options(table, store_path=tmp_path / "judge.sqlite",
-                          synthesizer=NumbaSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
+                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
     options.jit.profile_options = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
     stored, dequantized = shipped_mix
     assert set(weight_formats(stored)) == {"f32", "gguf/q4_1", "gguf/q8_0"}
@@ -144,7 +146,13 @@ def test_stored_run_with_adopted_kernels_equals_the_dequantized_run(shipped_mix,
 
     decode = [p for p in engine.programs() if p.step.plan.mode is Mode.DECODE]
     census = dispatch_census(decode[0])
-    assert "matmul" not in census and census["dequantize"] == 1
+    # A site where the Judge measured the recipe (the native dequantizer + GEMV) faster keeps
+    # its arm-0 matmul, rightly; every other site must have none left.
+    recipe_wins = sum(row["count"] for row in decode[0].branch_decisions()
+                      if row["region"] == "quant_linear" and row["winner"] == 0)
+    assert {row["region"] for row in decode[0].branch_decisions()} >= {"quant_linear"}
+    assert census.get("matmul", 0) == recipe_wins
+    assert census["dequantize"] == 1 + recipe_wins
 
 
 def test_planning_reads_formats_from_the_header_alone(stored, quant_gguf):

@@ -8,9 +8,13 @@ Each arm is the region computing one candidate value; its *exit* is that value. 
 decomposed correctness oracle, and the merge reads arm 0's exit; the ``Branch`` node (inputs =
 the exits) records the alternatives and is never dispatched.
 
-An arm's *interior* is every node that is an ancestor-or-self of its exit and was pushed after
-``diverge``. Pass the newest node the arms share as ``diverge`` (for a fused node: its highest
-input id): everything older is shared context, everything newer on the arm's path is the arm's.
+An arm's *interior* is every node pushed after ``diverge`` that its exit reaches through nodes
+pushed after ``diverge`` (ancestors-or-self of the exit, the walk stopping at older nodes). Pass
+the newest node the arms share as ``diverge`` (for a fused node: the newest ancestor of its
+inputs): everything older is shared context, everything newer on the arm's path is the arm's.
+The walk stops at shared context, so it costs the arm's size, not the graph's: a node older than
+``diverge`` that reads a newer one (a merge rewired to another branch's winner by an earlier
+collapse) belongs to that other branch, never to this arm.
 
 Builder rules (:func:`open_branch` → ``add_arm`` → ``finalize``), each a typed error:
 1. at least one arm (:class:`NoArms`); one arm emits no branch (``finalize`` returns ``None``);
@@ -113,7 +117,30 @@ def ancestors(graph: Graph, starts: Iterable[NodeId],
 
 
 def _interior(graph: Graph, exit: NodeId, diverge: NodeId) -> frozenset[NodeId]:
-    return frozenset(n for n in ancestors(graph, [exit]) if n > diverge)
+    seen: set[NodeId] = set()
+    stack = [exit]
+    while stack:
+        node_id = stack.pop()
+        if node_id <= diverge or node_id in seen:
+            continue
+        seen.add(node_id)
+        stack.extend(graph.node(node_id).inputs)
+    return frozenset(seen)
+
+
+def _reaches(graph: Graph, start: NodeId, target: NodeId) -> bool:
+    """Whether ``target`` is an ancestor-or-self of ``start`` (a walk that stops when found)."""
+    seen: set[NodeId] = set()
+    stack = [start]
+    while stack:
+        node_id = stack.pop()
+        if node_id == target:
+            return True
+        if node_id in seen:
+            continue
+        seen.add(node_id)
+        stack.extend(graph.node(node_id).inputs)
+    return False
 
 
 def _type_text(node: Node) -> str:
@@ -138,7 +165,7 @@ class BranchBuilder:
         graph, diverge, exits = self.graph, self.diverge, self.exits
         if not exits:
             raise NoArms(diverge)
-        if reconverge_at == diverge or diverge not in ancestors(graph, [reconverge_at]):
+        if reconverge_at == diverge or not _reaches(graph, reconverge_at, diverge):
             raise ReconvergeNotDescendant(diverge, reconverge_at)
         arm0 = graph.node(exits[0])
         for arm, exit in enumerate(exits):

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -149,12 +150,27 @@ class GraphError(Exception):
 class Graph:
     """An append-only arena of :class:`Node` with ``target_backend`` / ``placement`` tables."""
 
-    __slots__ = ("_nodes", "target_backend", "placement")
+    __slots__ = ("_nodes", "target_backend", "placement", "_readers")
 
     def __init__(self) -> None:
         self._nodes: list[Node] = []
         self.target_backend: dict[NodeId, BackendId] = {}
         self.placement: dict[NodeId, Device] = {}
+        self._readers: list[list[NodeId]] | None = None
+        """:meth:`consumers`, kept up to date by every edit once built (None until asked)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The readers index is derived: not stored (a restored graph builds it when asked).
+        return {"_nodes": self._nodes, "target_backend": self.target_backend,
+                "placement": self.placement}
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple):  # the default slots state: (None, {slot: value})
+            state = state[1]
+        self._nodes = state["_nodes"]
+        self.target_backend = state["target_backend"]
+        self.placement = state["placement"]
+        self._readers = None
 
     # The arena.
     def push(self, node: Node) -> NodeId:
@@ -163,6 +179,10 @@ class Graph:
             if not 0 <= input_id < count:
                 raise GraphError(f"node {count} reads {input_id}, which does not exist yet")
         self._nodes.append(node)
+        if self._readers is not None:
+            self._readers.append([])
+            for input_id in dict.fromkeys(node.inputs):
+                self._readers[input_id].append(count)  # the newest reader: order kept
         return count
 
     def node(self, node_id: NodeId) -> Node:
@@ -178,27 +198,43 @@ class Graph:
         return tuple(self._nodes)
 
     def consumers(self) -> list[list[NodeId]]:
-        """For each node, the nodes that read it (ascending, one entry per reader)."""
-        readers: list[list[NodeId]] = [[] for _ in self._nodes]
-        for node_id, node in enumerate(self._nodes):
-            for input_id in dict.fromkeys(node.inputs):
-                readers[input_id].append(node_id)
-        return readers
+        """For each node, the nodes that read it (ascending, one entry per reader).
+
+        Built once, then kept current by :meth:`push`, :meth:`rewire` and
+        :meth:`replace_branch` (the optimizer asks after every edit: rebuilding it each time
+        was a pass over the whole graph per question). The lists are the graph's own: read
+        them, never change them."""
+        if self._readers is None:
+            readers: list[list[NodeId]] = [[] for _ in self._nodes]
+            for node_id, node in enumerate(self._nodes):
+                for input_id in dict.fromkeys(node.inputs):
+                    readers[input_id].append(node_id)
+            self._readers = readers
+        return self._readers
+
+    def _set_inputs(self, node_id: NodeId, inputs: tuple[NodeId, ...]) -> None:
+        """Replace ``node_id``'s inputs, keeping :meth:`consumers` current."""
+        node = self._nodes[node_id]
+        if self._readers is not None:
+            for gone in set(node.inputs) - set(inputs):
+                self._readers[gone].remove(node_id)
+            for new in set(inputs) - set(node.inputs):
+                bisect.insort(self._readers[new], node_id)
+        self._nodes[node_id] = Node(node.op, inputs, node.shape, node.dtype)
 
     def rewire(self, node_id: NodeId, old: NodeId, new: NodeId) -> None:
         """Make ``node_id`` read ``new`` wherever it read ``old``."""
         node = self._nodes[node_id]
         if not 0 <= new < len(self._nodes):
             raise GraphError(f"cannot rewire {node_id} to {new}, which does not exist")
-        self._nodes[node_id] = Node(node.op, tuple(new if i == old else i for i in node.inputs),
-                                    node.shape, node.dtype)
+        self._set_inputs(node_id, tuple(new if i == old else i for i in node.inputs))
 
     def replace_branch(self, node_id: NodeId, arms: Iterable[NodeId]) -> None:
         """Replace the arms of the Branch node ``node_id`` (collapse leaves one)."""
         node = self._nodes[node_id]
         if not isinstance(node.op, Branch):
             raise GraphError(f"node {node_id} is not a branch")
-        self._nodes[node_id] = Node(node.op, tuple(arms), node.shape, node.dtype)
+        self._set_inputs(node_id, tuple(arms))
 
     def relabel_fused(self, ids: Mapping[int, int]) -> int:
         """Give every fused node whose id is a key of ``ids`` the mapped id (params, inputs,

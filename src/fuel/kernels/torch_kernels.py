@@ -263,7 +263,18 @@ def _dequantize(node: Node):
     from fuel.kernels.quant_blocks import dequantize
 
     attrs = _attrs(node)
-    return lambda packed, layout=attrs["layout"], cols=attrs["cols"]: dequantize(packed, layout, cols)
+    layout, cols = attrs["layout"], attrs["cols"]
+    lib = _native_library()
+    if lib is None:
+        return lambda packed: dequantize(packed, layout, cols)
+
+    def native_dequantize(packed):
+        # The native library's dequantizer: bit-equal to the gguf package's reference (tests),
+        # which runs numpy over every block (an embedding row per decode step took ~0.4 ms,
+        # a recipe arm's weights seconds); a format it lacks goes to the reference.
+        out = lib.dequantize(layout, packed, cols)
+        return out if out is not None else dequantize(packed, layout, cols)
+    return native_dequantize
 
 
 def _via_int64(factory: KernelFactory, output: DType) -> KernelFactory:

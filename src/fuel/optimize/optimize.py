@@ -289,7 +289,7 @@ def _splice_merges(graph: Graph, roots: tuple[NodeId, ...], merges: frozenset[No
     readers = graph.consumers()
     for merge in spliced:
         source = graph.node(merge).inputs[0]
-        for reader in readers[merge]:
+        for reader in list(readers[merge]):
             if not isinstance(graph.node(reader).op, Branch):
                 graph.rewire(reader, merge, source)
     return tuple(graph.node(r).inputs[0] if r in spliced else r for r in roots)

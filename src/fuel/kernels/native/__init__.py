@@ -188,6 +188,24 @@ class NativeKernels:
             raise IndexError("a block the paged attention reads is outside the KV cache")
         return out
 
+    def dequantize(self, fmt: str, packed: Any, cols: int) -> Any | None:
+        """f32 ``[..., cols]`` values of packed rows ``[..., row_bytes]`` (u8) in a format the
+        library reads (:data:`FORMAT_CODES`), bit-equal to the gguf package's reference
+        dequantizer (the tests hold it to that); None for another format or operand."""
+        import torch
+
+        if fmt not in FORMAT_CODES or packed.dtype != torch.uint8 or packed.dim() < 1:
+            return None
+        lead = tuple(packed.shape[:-1])
+        rows = packed.reshape(-1, packed.shape[-1]).contiguous()
+        out = torch.empty((rows.shape[0], cols), dtype=torch.float32)
+        threads = torch.get_num_threads() if rows.numel() >= (1 << 20) else 1
+        if rows.shape[0] and self._lib.fuel_dequantize(
+                FORMAT_CODES[fmt], rows.data_ptr(), out.data_ptr(), rows.shape[0], cols,
+                rows.shape[1], threads) != 0:
+            return None
+        return out.reshape(*lead, cols)
+
     def pool_threads(self, threads: int) -> int:
         """How many threads a parallel region of the library gets when asked for ``threads``."""
         return int(self._lib.fuel_pool_threads(threads))
