@@ -160,7 +160,7 @@ def test_the_portable_and_avx2_builds_equal_the_reference(tmp_path, isa):
     target = tmp_path / "portable.so"
     flags = [f for f in native.FLAGS if not f.startswith("-march")] + list(isa)
     link = [f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
-    done = subprocess.run([compiler, *flags, str(native.SOURCE), "-o", str(target), *link],
+    done = subprocess.run([compiler, *flags, *map(str, native.SOURCES), "-o", str(target), *link],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     portable = native.NativeKernels(ctypes.CDLL(str(target)), target, compiler)

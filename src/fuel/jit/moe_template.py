@@ -50,13 +50,13 @@ class MoeRegion:
 
 def match_moe(region: PatternNode) -> MoeRegion | None:
     """The moe parameters of ``region``, or ``None`` when it is not the registry's moe recipe."""
-    from fuel.jit.paged import _unify
+    from fuel.jit.paged import unify
 
     template_of = SPECS[FusedOps.MOE].template
     for normalize in (False, True):
         for shared in (False, True):
             slots: dict[str, Any] = {}
-            if _unify(template_of(Moe(1, normalize, shared)), region, slots):
+            if unify(template_of(Moe(1, normalize, shared)), region, slots):
                 top_k, dtype = slots.get("top_k"), slots.get("dtype")
                 if isinstance(top_k, int) and top_k >= 1 and isinstance(dtype, DType):
                     return MoeRegion(top_k, normalize, shared)

@@ -46,7 +46,7 @@ from fuel.graph.dtype import BackendId, DType
 from fuel.jit import cache
 from fuel.jit.quant_gemv import match_quant_linear, plan_quant
 from fuel.jit.moe_template import match_moe, plan_moe
-from fuel.jit.paged import PagedRegion, match_paged
+from fuel.jit.paged import PREFILL_MIN_ROWS, PagedRegion, match_paged, sdpa_prefill
 from fuel.jit.protocol import (
     ArchSku, Declined, ElementKind, JitRequest, SynthesisResult, Synthesized, SynthesizedKernel,
 )
@@ -472,11 +472,6 @@ def _plan_paged(request: JitRequest, paged: PagedRegion):
     return source, lambda module: _PagedRunner(module, paged, kinds[-1].dtype)
 
 
-PREFILL_MIN_ROWS = 2
-"""Query rows per sequence from which the paged template runs its prefill body (see
-:class:`_PagedRunner`); below it, the numba decode loop."""
-
-
 class _PagedRunner:
     """The paged-attention template's two bodies behind one kernel.
 
@@ -525,26 +520,5 @@ class _PagedRunner:
         return out if self._dtype == torch.float32 else out.to(self._dtype)
 
     def _prefill(self, q, k_cache, v_cache, block_table, context_lens):
-        torch = self._torch
-        batch, _, q_len, head_dim = q.shape
-        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-        contexts = context_lens.to(torch.int64)
-        longest = min(int(contexts.max()), block_table.shape[1] * block_size)
-        blocks = -(-longest // block_size)
-        table = block_table[:, :blocks].to(torch.int64).reshape(-1)
-
-        def gather(cache):
-            rows = cache.index_select(0, table).reshape(batch, blocks * block_size, kv_heads,
-                                                        head_dim)
-            return rows[:, :longest].transpose(1, 2).to(q.dtype)
-
-        keys, values = gather(k_cache), gather(v_cache)
-        if batch == 1 and int(contexts[0]) == q_len == longest:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=self._scale, enable_gqa=True)
-        else:
-            last = contexts[:, None] - q_len + torch.arange(q_len)[None, :]
-            mask = torch.arange(longest)[None, None, :] <= last[:, :, None]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask[:, None], scale=self._scale, enable_gqa=True)
-        return out.to(self._dtype).contiguous()
+        return sdpa_prefill(q, k_cache, v_cache, block_table, context_lens, self._scale,
+                            self._dtype)

@@ -8,6 +8,9 @@ gather, a missing scale) is not recognized and is declined rather than approxima
 
 Invariants: pure and total (returns :class:`PagedRegion` or ``None``); the extracted values are
 exactly the ones in the region, so the template kernel computes the same function.
+
+Also here, shared by the numba and the native synthesizers: :func:`sdpa_prefill`, the prefill
+body both paged-attention kernels run for a prompt chunk (torch only).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ class PagedRegion:
     softcap: float | None
 
 
-def _unify(template: Any, value: Any, slots: dict[str, Any]) -> bool:
+def unify(template: Any, value: Any, slots: dict[str, Any]) -> bool:
+    """Whether ``value`` is ``template`` with its slots filled (``slots`` receives them)."""
     if isinstance(template, Slot):
         if template.name in slots:
             return slots[template.name] == value
@@ -40,14 +44,14 @@ def _unify(template: Any, value: Any, slots: dict[str, Any]) -> bool:
         return (isinstance(value, PatternOp) and value.tag is template.tag
                 and len(value.operands) == len(template.operands)
                 and [k for k, _ in value.attrs] == [k for k, _ in template.attrs]
-                and all(_unify(t, v, slots) for (_, t), (_, v) in zip(template.attrs, value.attrs))
-                and all(_unify(t, v, slots) for t, v in zip(template.operands, value.operands)))
+                and all(unify(t, v, slots) for (_, t), (_, v) in zip(template.attrs, value.attrs))
+                and all(unify(t, v, slots) for t, v in zip(template.operands, value.operands)))
     if isinstance(template, Quot):
-        return isinstance(value, Quot) and _unify(template.a, value.a, slots) \
-            and _unify(template.b, value.b, slots)
+        return isinstance(value, Quot) and unify(template.a, value.a, slots) \
+            and unify(template.b, value.b, slots)
     if isinstance(template, tuple):
         return isinstance(value, tuple) and len(value) == len(template) \
-            and all(_unify(t, v, slots) for t, v in zip(template, value))
+            and all(unify(t, v, slots) for t, v in zip(template, value))
     return type(template) is type(value) and template == value
 
 
@@ -56,7 +60,7 @@ def match_paged(region: PatternNode) -> PagedRegion | None:
     template_of = SPECS[FusedOps.PAGED_ATTN].template
     for softcap in (None, 1.0):
         slots: dict[str, Any] = {}
-        if _unify(template_of(PagedAttn(0.0, 1, softcap)), region, slots):
+        if unify(template_of(PagedAttn(0.0, 1, softcap)), region, slots):
             scale, block, index = (slots.get(k) for k in ("softmax_scale", "block_size",
                                                             "index_dtype"))
             if not isinstance(scale, float) or not isinstance(block, int) or block < 1 \
@@ -68,3 +72,40 @@ def match_paged(region: PatternNode) -> PagedRegion | None:
                 return None
             return PagedRegion(scale, block, index, cap if softcap is not None else None)
     return None
+
+
+PREFILL_MIN_ROWS = 2
+"""Query rows per sequence from which a paged-attention kernel runs :func:`sdpa_prefill`;
+below it, its decode loop."""
+
+
+def sdpa_prefill(q, k_cache, v_cache, block_table, context_lens, scale: float, out_dtype):
+    """Paged attention for a prompt chunk (a verify step too) as one torch
+    ``scaled_dot_product_attention`` call on torch's pool: the sequences' cached rows gathered
+    through the block table, query row ``i`` of a sequence with context ``c`` seeing positions
+    ``<= c - q_len + i`` (``is_causal`` when the chunk is the whole context of one sequence, an
+    explicit mask otherwise), GQA by the kernel's own head grouping. No soft cap (SDPA has
+    none)."""
+    import torch
+
+    batch, _, q_len, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    contexts = context_lens.to(torch.int64)
+    longest = min(int(contexts.max()), block_table.shape[1] * block_size)
+    blocks = -(-longest // block_size)
+    table = block_table[:, :blocks].to(torch.int64).reshape(-1)
+
+    def gather(cache):
+        rows = cache.index_select(0, table).reshape(batch, blocks * block_size, kv_heads, head_dim)
+        return rows[:, :longest].transpose(1, 2).to(q.dtype)
+
+    keys, values = gather(k_cache), gather(v_cache)
+    if batch == 1 and int(contexts[0]) == q_len == longest:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        last = contexts[:, None] - q_len + torch.arange(q_len)[None, :]
+        mask = torch.arange(longest)[None, None, :] <= last[:, :, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return out.to(out_dtype).contiguous()

@@ -80,6 +80,9 @@ def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_cont
 
     if source is not None and str(source) == DEFAULT_MODEL_NAME:
         source = None
+    from fuel.kernels import native
+
+    native.prefetch()  # a first build compiles while the weights load
     weights = load_weights(source, dtype=dtype, progress=progress)
     tokenizer = load_tokenizer(weights.source.folder)
     check_vocabulary(tokenizer, weights)

@@ -36,11 +36,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SOURCE = Path(__file__).with_name("gemv.c")
+SOURCES = (SOURCE, Path(__file__).with_name("rows.c"))
+"""The C files built into the one library: matmuls, rope, attention (gemv.c); row-wise norms."""
 
 FORMAT_CODES: dict[str, int] = {
     "f32": 0, "f16": 1, "bf16": 2,
@@ -98,6 +101,9 @@ class NativeKernels:
         lib.fuel_paged_attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [
             ctypes.c_int, ctypes.c_float, ctypes.c_float]
         lib.fuel_paged_attn.restype = ctypes.c_int
+        lib.fuel_residual_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
+            ctypes.c_float]
+        lib.fuel_residual_rms_norm.restype = None
         lib.fuel_pool_threads.argtypes = [ctypes.c_int]
         lib.fuel_pool_threads.restype = ctypes.c_int
         self._call = lib.fuel_matmul
@@ -188,6 +194,23 @@ class NativeKernels:
             raise IndexError("a block the paged attention reads is outside the KV cache")
         return out
 
+    def residual_rms_norm(self, x: Any, residual: Any, gain: Any, eps: float) -> Any | None:
+        """``residual_add_rms_norm``: ``[2, *x.shape]`` f32 holding ``rms_norm(x + residual) *
+        gain`` and ``x + residual`` (rows of the last dim); None for operands that are not f32
+        of one shape with a gain as wide as a row."""
+        import torch
+
+        if not (x.dtype == residual.dtype == gain.dtype == torch.float32
+                and x.shape == residual.shape and x.dim() >= 1 and gain.dim() == 1
+                and gain.shape[0] == x.shape[-1] and x.shape[-1] > 0):
+            return None
+        width = x.shape[-1]
+        x, residual, gain = x.contiguous(), residual.contiguous(), gain.contiguous()
+        out = torch.empty((2, *x.shape), dtype=torch.float32)
+        self._lib.fuel_residual_rms_norm(x.data_ptr(), residual.data_ptr(), gain.data_ptr(),
+                                         out.data_ptr(), x.numel() // width, width, eps)
+        return out
+
     def dequantize(self, fmt: str, packed: Any, cols: int) -> Any | None:
         """f32 ``[..., cols]`` values of packed rows ``[..., row_bytes]`` (u8) in a format the
         library reads (:data:`FORMAT_CODES`), bit-equal to the gguf package's reference
@@ -250,17 +273,29 @@ class NativeKernels:
 
 
 _LOADED: NativeKernels | Unavailable | None = None
+_LOCK = threading.Lock()
 
 
 def load() -> NativeKernels | Unavailable:
-    """The native kernels for this process (built on first use, then cached on disk)."""
+    """The native kernels for this process (built on first use, then cached on disk). Waits
+    for a build :func:`prefetch` started."""
     global _LOADED
     if _LOADED is None:
-        if os.environ.get("FUEL_NATIVE", "1") == "0":
-            _LOADED = Unavailable("disabled by FUEL_NATIVE=0")
-        else:
-            _LOADED = _build_and_load()
+        with _LOCK:
+            if _LOADED is None:
+                if os.environ.get("FUEL_NATIVE", "1") == "0":
+                    _LOADED = Unavailable("disabled by FUEL_NATIVE=0")
+                else:
+                    _LOADED = _build_and_load()
     return _LOADED
+
+
+def prefetch() -> None:
+    """Start :func:`load` on a background thread, so that a first build (the C compiler, ~3 s
+    on one core) overlaps the caller's own start-up work (reading a GGUF) instead of following
+    it; :func:`load` then waits for it. Nothing happens when the library is loaded already."""
+    if _LOADED is None:
+        threading.Thread(target=load, name="fuel-native-build", daemon=True).start()
 
 
 def _torch_openmp() -> Path | None:
@@ -301,7 +336,7 @@ def _build_and_load() -> NativeKernels | Unavailable:
                                  timeout=30).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError) as error:
         return Unavailable(f"the C compiler {compiler} does not run: {error}")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(b"\0".join([
         source, version.encode(), " ".join(FLAGS).encode(), str(openmp.resolve()).encode(),
         _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:24]
@@ -330,7 +365,7 @@ def _compile(compiler: str, openmp: Path, folder: Path, target: Path) -> None | 
         os.close(handle)
     except OSError as error:
         return Unavailable(f"cannot write the native library under {folder}: {error}")
-    command = [compiler, *FLAGS, str(SOURCE), "-o", temp, f"-L{openmp.parent}",
+    command = [compiler, *FLAGS, *(str(path) for path in SOURCES), "-o", temp, f"-L{openmp.parent}",
                f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -340,9 +375,9 @@ def _compile(compiler: str, openmp: Path, folder: Path, target: Path) -> None | 
     if done.returncode != 0:
         Path(temp).unlink(missing_ok=True)
         first = (done.stderr.strip().splitlines() or ["(no message)"])[0][:300]
-        return Unavailable(f"the C compiler refused gemv.c: {first}")
+        return Unavailable(f"the C compiler refused the native sources: {first}")
     os.replace(temp, target)
     return None
 
 
-__all__ = ["FORMAT_CODES", "NativeKernels", "QUANT_LAYOUTS", "Unavailable", "load"]
+__all__ = ["FORMAT_CODES", "NativeKernels", "QUANT_LAYOUTS", "Unavailable", "load", "prefetch"]
