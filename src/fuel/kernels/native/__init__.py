@@ -20,9 +20,18 @@ Invariants:
   cached under ``$FUEL_CACHE_DIR/native/<key>/`` and written atomically (compiled to a temp
   name, renamed), so a concurrent process never loads a half-written file; a file that fails to
   load is removed and built again once.
-- A kernel returns the product of the *dequantized* weight with f32 activations (activations
-  are never rounded to 8 bits): equal to the dequantize-then-matmul recipe within f32
-  reassociation, which the JIT verifies at every shape it adopts.
+- ``matmul(..., activations="f32")`` (the default, and every path other than the one below)
+  returns the product of the *dequantized* weight with f32 activations, never rounded to 8
+  bits: equal to the dequantize-then-matmul recipe within f32 reassociation, which the JIT
+  verifies at every shape it adopts.
+- Exactly one kernel rounds activations: ``matmul(..., activations="q8")`` for the formats in
+  :data:`Q8_FORMATS` at decode rows (at most :data:`STREAM_ROWS`; ``fuel_matmul_q8`` in
+  ``gemv.c``). Each activation row is rounded per 32-element block to ``d * q`` with
+  ``d = amax/127`` (f32) and ``q = round_half_even(x * 127/amax)`` in [-127, 127]
+  (:meth:`NativeKernels.quantize_q8` returns exactly these), and every block's product with
+  the packed quants is an exact integer dot product scaled in f32. It is *not* within the
+  recipe tolerance; ``fuel.jit.native_synth.q8_error_bound`` states the bound it is verified
+  against. More rows in a ``q8`` call take the f32 path (not rounded).
 - Never raises for an ordinary "no": :func:`load` returns :class:`Unavailable`.
 """
 
