@@ -250,8 +250,10 @@ class NativeKernels:
         code = FORMAT_CODES[fmt]
         threads = threads if threads is not None else torch.get_num_threads()
         lead = tuple(x.shape[:-1])
-        rows = (x if x.dim() == 2 else x.reshape(-1, cols)).to(torch.float32).contiguous()
-        weight = w.contiguous()
+        rows = x if x.dim() == 2 else x.reshape(-1, cols)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():  # a decode row already is
+            rows = rows.to(torch.float32).contiguous()
+        weight = w if w.is_contiguous() else w.contiguous()
         n = weight.shape[0]
         row_bytes = weight.stride(0) * weight.element_size()
         out = torch.empty((rows.shape[0], n), dtype=torch.float32)
