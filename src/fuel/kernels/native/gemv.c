@@ -32,7 +32,8 @@
    16 lanes wide (half the instructions of the AVX2 path); the AVX2 and portable paths are built
    and checked by the tests on such a machine too.
 
-   Activations stay f32 (no 8-bit rounding of x): each block's dot product is computed in f32
+   fuel_matmul keeps activations f32 (no 8-bit rounding of x; fuel_matmul_q8, further down, is
+   the one kernel that rounds them, for decode rows): each block's dot product is computed in f32
    from the dequantized-in-register weights, so a result equals the dequantize-then-matmul
    recipe within the rounding of a reordered f32 sum. For formats with an offset (m, or the -8
    and -16 of the symmetric ones) the offset times the block's activation sum is added once per
@@ -42,7 +43,9 @@
    the activation-sum route (q6_k's -32 applied to the quants: its scales cover 16 weights).
 
    fuel_matmul streams each weight row once for all M activation rows (decode: M is a few rows);
-   fuel_dequantize writes f32 rows for a GEMM library to multiply when M is large (prefill). */
+   fuel_dequantize writes f32 rows for a GEMM library to multiply when M is large (prefill);
+   fuel_matmul_q8 streams the 32-weight block formats against activations rounded to 8 bits per
+   block, with integer dot products (its own section below states the rounding and the SIMD). */
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
