@@ -314,8 +314,11 @@ def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, col
 def test_fuel_q8_activations_0_keeps_f32_activations(lib, tmp_path, monkeypatch):
     from fuel.jit.native_synth import KERNEL_SOURCE, CpuSynthesizer
 
+    assert CpuSynthesizer(cache_dir=tmp_path).name == "numba+native+q8"
     monkeypatch.setenv("FUEL_Q8_ACTIVATIONS", "0")
     synth = CpuSynthesizer(cache_dir=tmp_path)
+    # the name is in the program cache's key: a program adopted with q8 kernels is not restored
+    assert synth.name == "numba+native"
     kernel = synth.take_kernel(synth.synthesize(_quant_request("q4_1", 128)).entry_point)
     assert kernel.kernel_source == KERNEL_SOURCE and kernel.error_bound is None
     w = random_blocks("q4_1", 64, 128, torch.Generator().manual_seed(1))

@@ -23,7 +23,8 @@ rounds the activations of decode rows (at most ``STREAM_ROWS`` of them) to 8 bit
 block and multiplies integers (``NativeKernels.matmul(..., activations="q8")``, llama.cpp's
 technique); prefill rows keep f32 activations (dequantize + GEMM), and the K-quants and 16-bit
 layouts keep the f32-activation kernel. Set ``FUEL_Q8_ACTIVATIONS=0`` to keep f32 activations
-everywhere (read when a kernel is synthesized). Such a kernel is recorded under its own kernel
+everywhere (read when a ``CpuSynthesizer`` is made; its ``name``, part of the program cache's
+key, says which). Such a kernel is recorded under its own kernel
 source (:data:`KERNEL_SOURCE_Q8`) and is *not* within the f32 recipe tolerance, so it states its
 error bound (:func:`q8_error_bound`, ``SynthesizedKernel.error_bound``) and adoption verifies it
 against the recipe within that bound plus the recipe tolerance:
@@ -157,14 +158,18 @@ class _PagedRunner:
 class CpuSynthesizer:
     """Native kernels for quantized matmuls, numba for everything else (module docs)."""
 
-    name = "numba+native"
-
     def __init__(self, fallback=None, cache_dir: Path | None = None):
         if fallback is None:
             from fuel.jit.numba_synth import NumbaSynthesizer
 
             fallback = NumbaSynthesizer(cache_dir)
         self.fallback = fallback
+        self.q8_activations = q8_activations_enabled()
+        """Whether decode matmuls get 8-bit activations (``FUEL_Q8_ACTIVATIONS``, read here)."""
+        self.name = "numba+native+q8" if self.q8_activations else "numba+native"
+        """In the program cache's key (``runtime.program_cache.options_identity``): a program
+        adopted with the 8-bit-activation kernels is never restored where they are off, nor the
+        other way round (restoring binds kernels without verifying them again)."""
         self._ready: dict[str, SynthesizedKernel] = {}
         self.native_note: str | None = None
         """Why the native library is not used here (None when it is, or was never needed)."""
@@ -193,7 +198,7 @@ class CpuSynthesizer:
             self.native_note = lib.reason
             return None
         key = request.structure_key()
-        q8 = quant.layout in native.Q8_FORMATS and q8_activations_enabled()
+        q8 = quant.layout in native.Q8_FORMATS and self.q8_activations
         entry_point = f"native:{quant.layout}{':q8' if q8 else ''}:{key[:32]}"
         source = (f"fuel.kernels.native fuel_matmul(gguf/{quant.layout}, cols={quant.cols}) "
                   f"from {lib.path}")
