@@ -14,7 +14,10 @@ Then, per llama.cpp block layout with a numba template (``fuel.jit.quant_gemv``)
 quantized matmul (``quant_linear``) at SmolLM2's decode shapes (one activation row; q/o 576x576,
 gate/up 1536x576, down 576x1536, and for q8_0 the tied LM head 49152x576): the adopted kernel
 vs the dequantize-then-matmul region it replaces (arm 0), with the max error, plus the f32
-``mm`` over the already-dequantized weight (what ``--dtype f32`` runs) for scale.
+``mm`` over the already-dequantized weight (what ``--dtype f32`` runs) for scale. For the formats
+whose decode kernel rounds activations to 8 bits (``jit.native.cpu.q8``: q4_0, q4_1, q5_0, q5_1,
+q8_0 unless ``FUEL_Q8_ACTIVATIONS=0``) the row also shows the largest allowance of the kernel's
+stated error bound, which adoption verified it within.
 ``--quant-only`` runs just that table.
 """
 
@@ -116,9 +119,12 @@ def quant_main(repeats: int) -> int:
                 print(f"{layout:<7} {label:<11} {record.outcome.value}: {record.reason}")
                 continue
             failed += not record.adopted
+            bound = "" if record.error_bound_max is None else \
+                f" (bound {record.error_bound_max:.1e}: {record.kernel_source})"
             print(f"{layout:<7} {label:<11} {record.kernel_ns / 1e3:>8.1f}us "
                   f"{record.decomposed_ns / 1e3:>9.1f}us {record.speedup:>7.1f}x "
-                  f"{f32_ns / 1e3:>7.1f}us  {record.max_abs_error:.1e} ({record.outcome.value})")
+                  f"{f32_ns / 1e3:>7.1f}us  {record.max_abs_error:.1e}{bound} "
+                  f"({record.outcome.value})")
     return 0 if failed == 0 else 1
 
 

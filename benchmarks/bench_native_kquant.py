@@ -16,10 +16,23 @@ shape, one decode-shaped product (M=1 activation row) on ONE thread (``torch.set
 - ``max err``: the kernel's largest absolute difference from the recipe, and whether every
   output is within the JIT's bound (``|got - want| <= 2e-5 + 2e-5 |want|``).
 
-Weights are valid random super-blocks (``quant_blocks.random_blocks``). The median of
-``--repeats`` samples is printed; on a shared machine the numbers move with the load. Usage::
+A second table (``--table q8``) measures the 8-bit-activation decode kernel of the 32-weight
+block formats (``matmul(..., activations="q8")``, what ``CpuSynthesizer`` adopts for decode rows)
+against the f32-activation kernel it replaces, on ``--threads`` threads (default 2, fuel's pool
+on this machine), M=1, at SmolLM2-135M's shapes (1536x576 and 576x1536 MLP, 49152x576 LM head):
+
+- ``f32 act`` / ``q8 act``: µs per product (the best of ``--repeats`` samples: on a shared
+  machine an interrupted parallel region costs milliseconds, see ``best_us``), the speedup,
+  and GB/s of packed weight read by the q8 kernel;
+- ``max err``: the q8 kernel's largest absolute difference from the recipe (x @ dequantize(W).T
+  in f32), ``rel``: that over the largest |output|, ``bound``: the largest allowance of its stated bound
+  (``native_synth.q8_error_bound``), and whether every output is within bound + tolerance.
+
+Weights are valid random blocks (``quant_blocks.random_blocks``). The median of ``--repeats``
+samples is printed; on a shared machine the numbers move with the load. Usage::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_native_kquant.py [--repeats 15]
+        [--table kquant|q8|all] [--threads 2]
 """
 
 from __future__ import annotations
@@ -32,11 +45,83 @@ SHAPES = ((1536, 1536), (4096, 4096))
 
 LAYOUTS = ("q4_k", "q5_k", "q6_k")
 
+Q8_SHAPES = ((1536, 576), (576, 1536), (49152, 576))
+"""SmolLM2-135M's decode matmuls: MLP up/gate, MLP down, the LM head."""
+
+Q8_LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+
+
+def best_us(call, repeats: int, sample_s: float = 0.003) -> float:
+    """The fastest per-call time of ``repeats`` samples (each a batch of calls spanning about
+    ``sample_s``): on a machine shared with other work, a sample the scheduler interrupted (a
+    parallel region waits for its slowest thread) costs milliseconds, so the best sample is the
+    kernel's own time and the median is the neighbours'."""
+    import time
+
+    for _ in range(3):
+        call()
+    start = time.perf_counter()
+    call()
+    calls = max(1, int(sample_s / max(time.perf_counter() - start, 1e-7)))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def q8_table(repeats: int, threads: int) -> int:
+    import torch
+
+    from fuel.graph.dtype import DType
+    from fuel.jit.adopt import verify
+    from fuel.jit.native_synth import q8_error_bound
+    from fuel.kernels import RECIPE_TOLERANCE, native
+    from fuel.kernels.quant_blocks import dequantize, random_blocks
+
+    torch.set_num_threads(threads)
+    lib = native.load()
+    if isinstance(lib, native.Unavailable):
+        print(f"native kernels unavailable: {lib.reason}")
+        return 1
+    print(f"\n{threads} thread(s), M=1, 8-bit vs f32 activations; best of {repeats} samples\n")
+    print(f"{'format':<6} {'N x K':<11} {'packed':>8} {'f32 act':>9} {'q8 act':>9} {'speedup':>8} "
+          f"{'GB/s':>6} {'max err':>9} {'rel':>8} {'bound':>9}")
+    for layout in Q8_LAYOUTS:
+        for n, k in Q8_SHAPES:
+            w = random_blocks(layout, n, k, torch.Generator().manual_seed(0))
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
+            want = x @ dequantize(w, layout, k).T
+            got = lib.matmul(layout, x, w, k, threads=threads, activations="q8")
+            bound = q8_error_bound(layout, k, x, w)
+            check = verify(got, want, RECIPE_TOLERANCE[DType.F32], bound)
+            f32_us = best_us(lambda: lib.matmul(layout, x, w, k, threads=threads), repeats)
+            q8_us = best_us(lambda: lib.matmul(layout, x, w, k, threads=threads,
+                                               activations="q8"), repeats)
+            print(f"{layout:<6} {f'{n}x{k}':<11} {w.numel() / 2**20:>6.2f}Mi {f32_us:>7.1f}us "
+                  f"{q8_us:>7.1f}us {f32_us / q8_us:>7.2f}x {w.numel() / q8_us / 1e3:>6.1f} "
+                  f"{check.max_abs_error:>9.2e} {check.max_abs_error / float(want.abs().max()):>8.1e} "
+                  f"{check.bound_max:>9.2e} "
+                  f"({'within' if check.ok else 'OUTSIDE'})")
+    return 0
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--table", choices=("kquant", "q8", "all"), default="all")
+    parser.add_argument("--threads", type=int, default=2, help="threads for the q8 table")
     args = parser.parse_args()
+    if args.table in ("kquant", "all"):
+        status = kquant_table(args.repeats)
+        if status:
+            return status
+    return q8_table(args.repeats, args.threads) if args.table in ("q8", "all") else 0
+
+
+def kquant_table(repeats: int) -> int:
 
     import torch
 
@@ -55,7 +140,7 @@ def main() -> int:
     def median_us(call, repeats: int) -> float:
         return profile_kernel(call, warmup=2, repeats=repeats).median_ns / 1e3
 
-    print(f"one thread, M=1; median of {args.repeats} samples\n")
+    print(f"one thread, M=1; median of {repeats} samples\n")
     print(f"{'format':<6} {'N x K':<11} {'packed':>8} {'kernel':>9} {'GB/s':>6} {'recipe':>10} "
           f"{'speedup':>8} {'deq+mm':>9} {'f32 mm':>8} {'M=4':>8}  max err")
     for layout in LAYOUTS:
@@ -74,13 +159,13 @@ def main() -> int:
                 lib._lib.fuel_dequantize(code, w.data_ptr(), tile.data_ptr(), n, k, w.shape[1], 1)
                 return x @ tile.t()
 
-            kernel_us = median_us(lambda: lib.matmul(layout, x, w, k, threads=1), args.repeats)
-            slow = max(3, args.repeats // 3)  # the numpy recipe takes tens of ms at 4096x4096
+            kernel_us = median_us(lambda: lib.matmul(layout, x, w, k, threads=1), repeats)
+            slow = max(3, repeats // 3)  # the numpy recipe takes tens of ms at 4096x4096
             recipe_us = median_us(lambda: x @ dequantize(w, layout, k).T, slow)
             deq_us = median_us(deq_mm, slow)
-            f32_us = median_us(lambda: x @ dense.T, args.repeats)
+            f32_us = median_us(lambda: x @ dense.T, repeats)
             x4 = torch.randn(4, k, generator=torch.Generator().manual_seed(2))
-            four_us = median_us(lambda: lib.matmul(layout, x4, w, k, threads=1), args.repeats)
+            four_us = median_us(lambda: lib.matmul(layout, x4, w, k, threads=1), repeats)
             print(f"{layout:<6} {f'{n}x{k}':<11} {packed / 2**20:>6.2f}Mi {kernel_us:>7.1f}us "
                   f"{packed / kernel_us / 1e3:>6.1f} {recipe_us:>8.0f}us "
                   f"{recipe_us / kernel_us:>7.0f}x "

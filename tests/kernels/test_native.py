@@ -293,16 +293,37 @@ def _quant_request(layout: str, cols: int = 128):
 @pytest.mark.parametrize("layout, cols", [("q4_1", 128), ("bf16", 128), ("q4_k", 256),
                                           ("q6_k", 256)])
 def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, cols, tmp_path):
-    from fuel.jit.native_synth import KERNEL_SOURCE, CpuSynthesizer
+    """q4_1 (a format with an 8-bit-activation kernel) gets it, with its stated error bound; the
+    others get the f32-activation kernel, within the recipe tolerance alone."""
+    from fuel.jit.native_synth import KERNEL_SOURCE, KERNEL_SOURCE_Q8, CpuSynthesizer
 
     synth = CpuSynthesizer(cache_dir=tmp_path)
     answer = synth.synthesize(_quant_request(layout, cols))
     assert isinstance(answer, Synthesized) and answer.entry_point.startswith("native:")
     kernel = synth.take_kernel(answer.entry_point)
-    assert kernel.kernel_source == KERNEL_SOURCE
+    q8 = layout in native.Q8_FORMATS
+    assert kernel.kernel_source == (KERNEL_SOURCE_Q8 if q8 else KERNEL_SOURCE)
+    assert (kernel.error_bound is not None) == q8
     w = random_blocks(layout, 64, cols, torch.Generator().manual_seed(1))
     x = torch.randn(1, cols)
-    assert verify(kernel.run(x, w), x @ dequantize(w, layout, cols).T, TOLERANCE).ok
+    want = x @ dequantize(w, layout, cols).T
+    bound = kernel.error_bound((x, w), want) if q8 else None
+    assert verify(kernel.run(x, w), want, TOLERANCE, bound).ok
+
+
+def test_fuel_q8_activations_0_keeps_f32_activations(lib, tmp_path, monkeypatch):
+    from fuel.jit.native_synth import KERNEL_SOURCE, CpuSynthesizer
+
+    assert CpuSynthesizer(cache_dir=tmp_path).name == "numba+native+q8"
+    monkeypatch.setenv("FUEL_Q8_ACTIVATIONS", "0")
+    synth = CpuSynthesizer(cache_dir=tmp_path)
+    # the name is in the program cache's key: a program adopted with q8 kernels is not restored
+    assert synth.name == "numba+native"
+    kernel = synth.take_kernel(synth.synthesize(_quant_request("q4_1", 128)).entry_point)
+    assert kernel.kernel_source == KERNEL_SOURCE and kernel.error_bound is None
+    w = random_blocks("q4_1", 64, 128, torch.Generator().manual_seed(1))
+    x = torch.randn(1, 128)
+    assert verify(kernel.run(x, w), x @ dequantize(w, "q4_1", 128).T, TOLERANCE).ok
 
 
 def test_layouts_the_library_lacks_go_to_numba(tmp_path):

@@ -9,8 +9,11 @@ Decides whether a kernel a synthesizer handed over may run in place of its regio
    paged attention valid block tables (distinct blocks) and context lengths between the query
    length and the table's capacity. Every output element must satisfy
    ``|kernel - reference| <= atol + rtol * |reference|`` with the dtype's
-   :data:`~fuel.kernels.RECIPE_TOLERANCE`; a wrong kernel is rejected with a report sent to
-   ``on_rejected`` (max error, where, tolerance);
+   :data:`~fuel.kernels.RECIPE_TOLERANCE`, plus, for a kernel that states one
+   (``SynthesizedKernel.error_bound``: it rounds on purpose), that bound's allowance for the
+   element, computed from the same inputs; a wrong kernel is rejected with a report sent to
+   ``on_rejected`` (max error, where, tolerance, the bound's allowance there); a bound that is
+   not finite and non-negative rejects its kernel (nothing verifiable against it);
 4. the cost gate: profile the kernel and the decomposed region on the same inputs; adopt only
    when the kernel is strictly faster (both figures are recorded either way; a slower kernel is
    rejected through ``on_rejected`` too);
@@ -71,6 +74,9 @@ class AdoptionRecord:
     runtime_id: int | None = None
     max_abs_error: float | None = None
     tolerance: tuple[float, float] | None = None
+    error_bound_max: float | None = None
+    """The largest allowance the kernel's own error bound gave (added to ``tolerance``), or None
+    when the kernel states no bound (verified against the recipe tolerance alone)."""
     kernel_ns: int | None = None
     decomposed_ns: int | None = None
     compile_ms: float | None = None
@@ -93,6 +99,8 @@ class Verification:
     ok: bool
     max_abs_error: float
     report: str
+    bound_max: float | None = None
+    """The largest per-element allowance of the kernel's stated bound (None: no bound given)."""
 
 
 def adopt_from_response(synth: Synthesizer, request: JitRequest, backend: BackendId,
@@ -141,8 +149,17 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
         report = f"kernel raised {type(error).__name__}: {error}"
         synth.on_rejected(entry, report)
         return record(Outcome.WRONG, report, tolerance=tolerance, **known)
-    check = verify(got, bench.reference, tolerance)
-    known.update(max_abs_error=check.max_abs_error, tolerance=tolerance)
+    bound = None
+    if kernel.error_bound is not None:
+        try:
+            bound = kernel.error_bound(bench.inputs, bench.reference)
+        except Exception as error:  # noqa: BLE001 — a bound that cannot be computed verifies nothing
+            report = f"the kernel's error bound raised {type(error).__name__}: {error}"
+            synth.on_rejected(entry, report)
+            return record(Outcome.NOT_VERIFIABLE, report, tolerance=tolerance, **known)
+    check = verify(got, bench.reference, tolerance, bound)
+    known.update(max_abs_error=check.max_abs_error, tolerance=tolerance,
+                 error_bound_max=check.bound_max)
     if not check.ok:
         synth.on_rejected(entry, check.report)
         return record(Outcome.WRONG, check.report, **known)
@@ -178,7 +195,9 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
         _record_latency(store, bench, runtime_id, registry, backend, kernel.kernel_source,
                         measured)
     speedup = decomposed_ns / kernel_ns
-    return record(Outcome.ADOPTED, f"verified (max error {check.max_abs_error:.2e}) and "
+    within = "" if check.bound_max is None else \
+        f" within its stated bound (largest allowance {check.bound_max:.2e})"
+    return record(Outcome.ADOPTED, f"verified (max error {check.max_abs_error:.2e}{within}) and "
                   f"{speedup:.2f}x faster than the decomposed region",
                   runtime_id=runtime_id, **known)
 
@@ -222,8 +241,11 @@ def rebind(synth: Synthesizer, request: JitRequest, name: str, backend: BackendI
     return runtime_id
 
 
-def verify(got: Any, reference: Any, tolerance: tuple[float, float]) -> Verification:
-    """Elementwise ``|got - ref| <= atol + rtol * |ref|`` (NaN only where the reference is NaN)."""
+def verify(got: Any, reference: Any, tolerance: tuple[float, float],
+           bound: Any = None) -> Verification:
+    """Elementwise ``|got - ref| <= atol + rtol * |ref|`` (NaN only where the reference is NaN),
+    plus ``bound`` (the kernel's stated allowance per element, broadcast to the reference's
+    shape; it must be finite and non-negative) when given."""
     import torch
 
     atol, rtol = tolerance
@@ -231,19 +253,35 @@ def verify(got: Any, reference: Any, tolerance: tuple[float, float]) -> Verifica
         return Verification(False, math.inf, f"kernel returned {got.dtype}{list(got.shape)}, "
                             f"expected {reference.dtype}{list(reference.shape)}")
     a, b = got.double(), reference.double()
+    allowed = atol + rtol * b.abs().nan_to_num(0.0)
+    bound_max = None
+    if bound is not None:
+        try:
+            extra = torch.as_tensor(bound).double().broadcast_to(b.shape)
+        except RuntimeError as error:
+            return Verification(False, math.inf, f"the kernel's error bound does not fit the "
+                                f"output {list(b.shape)}: {error}")
+        if extra.numel() and not bool((torch.isfinite(extra) & (extra >= 0)).all()):
+            return Verification(False, math.inf, "the kernel's error bound is not finite and "
+                                "non-negative everywhere: nothing to verify against")
+        bound_max = float(extra.max()) if extra.numel() else 0.0
+        allowed = allowed + extra
     nan_mismatch = torch.isnan(a) != torch.isnan(b)
     error = (a - b).abs().nan_to_num(0.0)
-    excess = error - (atol + rtol * b.abs().nan_to_num(0.0))
+    excess = error - allowed
     worst = float(error.max()) if error.numel() else 0.0
+    with_bound = "" if bound is None else " + the kernel's bound"
     if bool(nan_mismatch.any()):
         where = tuple(int(i) for i in nan_mismatch.nonzero()[0])
-        return Verification(False, math.inf, f"NaN mismatch at {where}")
+        return Verification(False, math.inf, f"NaN mismatch at {where}", bound_max)
     if error.numel() and bool((excess > 0).any()):
         where = tuple(int(i) for i in torch.nonzero(excess > 0)[0])
         return Verification(False, worst, f"max error {worst:.3e} exceeds atol {atol} + rtol "
-                            f"{rtol} (first at {where}: kernel {float(a[where]):.6g}, "
-                            f"decomposed {float(b[where]):.6g})")
-    return Verification(True, worst, f"max error {worst:.3e} within atol {atol}, rtol {rtol}")
+                            f"{rtol}{with_bound} (first at {where}: kernel {float(a[where]):.6g}, "
+                            f"decomposed {float(b[where]):.6g}, allowed "
+                            f"{float(allowed[where]):.3e})", bound_max)
+    return Verification(True, worst, f"max error {worst:.3e} within atol {atol}, rtol "
+                        f"{rtol}{with_bound}", bound_max)
 
 
 @dataclass

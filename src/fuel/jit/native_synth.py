@@ -25,10 +25,43 @@ while the native loop runs on both cores of torch's pool.
 
 The adoption protocol is unchanged: a native kernel is verified against the dequantized recipe
 at the request's shapes and adopted only where the Judge measures it faster (``jit/adopt``).
+
+**8-bit activations (decode).** For the 32-weight block formats
+(:data:`fuel.kernels.native.Q8_FORMATS`: q4_0, q4_1, q5_0, q5_1, q8_0) the kernel handed over
+rounds the activations of decode rows (at most ``STREAM_ROWS`` of them) to 8 bits per 32-element
+block and multiplies integers (``NativeKernels.matmul(..., activations="q8")``, llama.cpp's
+technique); prefill rows keep f32 activations (dequantize + GEMM), and the K-quants and 16-bit
+layouts keep the f32-activation kernel. Set ``FUEL_Q8_ACTIVATIONS=0`` to keep f32 activations
+everywhere (read when a ``CpuSynthesizer`` is made; its ``name``, part of the program cache's
+key, says which). Such a kernel is recorded under its own kernel
+source (:data:`KERNEL_SOURCE_Q8`) and is *not* within the f32 recipe tolerance, so it states its
+error bound (:func:`q8_error_bound`, ``SynthesizedKernel.error_bound``) and adoption verifies it
+against the recipe within that bound plus the recipe tolerance:
+
+- Rounding. Block b of row m has ``d_b = amax_b / 127`` (f32) and ``q_j = round(x_j * 127 /
+  amax_b)``, so ``|x_j - d_b q_j| <= d_b / 2`` up to the f32 rounding of ``d_b``, ``127/amax_b``
+  and their product with ``x_j`` (at most 3 ulps of ``x_j`` plus one of ``d_b``, i.e. a
+  relative ``381 * 2^-24 < 2^-14`` of ``d_b / 2``). The output moves by at most
+  ``R[m, n] = sum_j |W[n, j]| * (amax_b(j) / 254) * (1 + 2^-14)``.
+- Arithmetic. Each block's integer dot product is exact (int32); the kernel scales it in f32
+  and sums over blocks and lanes, each term passing through at most ``B + 10`` roundings
+  (``B = K / 32``), so it is within ``gamma * sum_j (|W[n, j]| + 2 |o_b|) * |xhat_j|`` of the
+  exact value, ``gamma = (B + 10) 2^-24 / (1 - (B + 10) 2^-24)``, ``xhat_j = d_b q_j`` (bounded
+  by ``|x_j| + amax_b / 254 (1 + 2^-14)``) and ``o_b`` the block's offset (``m_w`` for q4_1 and
+  q5_1; ``8 d_w``, ``16 d_w``, ``128 d_w`` for q4_0, q5_0, q8_0: the integer part runs on the
+  unsigned quants and takes the offset back, so the terms are as large as ``|w| + |o|``).
+- The recipe's own f32 rounding is what the default tolerance (``RECIPE_TOLERANCE[F32]``) covers
+  for every kernel; it is added as usual.
+
+So ``|kernel - recipe| <= R + A + atol + rtol |recipe|`` everywhere; ``R + A`` is what
+:func:`q8_error_bound` returns (zero for rows past ``STREAM_ROWS``, which are not rounded).
+The bound is a worst case: random activations land one to two orders of magnitude inside it
+(benchmarks/bench_native_kquant.py prints both).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -37,18 +70,76 @@ from fuel.jit.protocol import ArchSku, JitRequest, SynthesisResult, Synthesized,
 from fuel.jit.quant_gemv import match_quant_linear
 
 KERNEL_SOURCE = "jit.native.cpu"
+KERNEL_SOURCE_Q8 = "jit.native.cpu.q8"
+"""The kernel source of the 8-bit-activation kernels (their latency is recorded apart from the
+f32-activation kernels': a different kernel, a different precision)."""
+
+Q8_ENV = "FUEL_Q8_ACTIVATIONS"
+"""``FUEL_Q8_ACTIVATIONS=0`` keeps f32 activations for every quantized matmul (module docs)."""
+
+
+def q8_activations_enabled() -> bool:
+    """Whether decode matmuls of :data:`fuel.kernels.native.Q8_FORMATS` get 8-bit activations."""
+    return os.environ.get(Q8_ENV, "1") != "0"
+
+
+def q8_error_bound(layout: str, cols: int, x, w):
+    """The allowed ``|kernel - recipe|`` per output of the 8-bit-activation kernel beyond the
+    recipe tolerance (module docs: ``R + A``), f64 of shape ``[..., N]`` for activations
+    ``x [..., cols]`` and packed weight rows ``w [N, row_bytes]``. Rows past ``STREAM_ROWS`` are
+    not rounded: zero there."""
+    import torch
+
+    from fuel.kernels.native import STREAM_ROWS
+    from fuel.kernels.quant_blocks import dequantize
+
+    lead = tuple(x.shape[:-1])
+    rows = x.reshape(-1, cols).double()
+    n = w.shape[0]
+    if rows.shape[0] > STREAM_ROWS:
+        return torch.zeros(*lead, n, dtype=torch.float64)
+    blocks = cols // 32
+    weight = dequantize(w, layout, cols).double()                              # [N, K]
+    half_step = (rows.view(rows.shape[0], blocks, 32).abs().amax(-1) / 254.0
+                 * (1 + 2.0 ** -14)).repeat_interleave(32, -1)                 # [M, K]
+    packed = w.contiguous().view(torch.uint8).reshape(n, blocks, -1)
+    d_w = packed[..., 0:2].contiguous().view(torch.float16).double().squeeze(-1)  # [N, B]
+    if layout in ("q4_1", "q5_1"):
+        offset = packed[..., 2:4].contiguous().view(torch.float16).double().squeeze(-1).abs()
+    else:
+        offset = d_w.abs() * {"q4_0": 8.0, "q5_0": 16.0, "q8_0": 128.0}[layout]
+    terms = weight.abs() + 2.0 * offset.repeat_interleave(32, -1)               # [N, K]
+    units = (blocks + 10) * 2.0 ** -24
+    gamma = units / (1 - units)
+    rounding = half_step @ weight.abs().T                                       # [M, N]
+    arithmetic = gamma * ((rows.abs() + half_step) @ terms.T)
+    bound = (rounding + arithmetic) * (1 + 2.0 ** -40)  # the f64 sums' own rounding
+    return bound.reshape(*lead, n)
+
+
+class _Q8Bound:
+    """``SynthesizedKernel.error_bound`` of an 8-bit-activation kernel: :func:`q8_error_bound`
+    at the inputs adoption verifies on."""
+
+    def __init__(self, layout: str, cols: int):
+        self.layout, self.cols = layout, cols
+
+    def __call__(self, inputs, reference):
+        return q8_error_bound(self.layout, self.cols, inputs[0], inputs[1])
 
 
 class _QuantRunner:
-    """``run(x [..., K] f32, w u8 [N, row_bytes])`` through the native library."""
+    """``run(x [..., K] f32, w u8 [N, row_bytes])`` through the native library (decode rows with
+    8-bit activations when ``activations="q8"``)."""
 
-    def __init__(self, lib, layout: str, cols: int):
+    def __init__(self, lib, layout: str, cols: int, activations: str = "f32"):
         self._matmul = lib.matmul
         self._layout = layout
         self._cols = cols
+        self._activations = activations
 
     def __call__(self, x, w):
-        return self._matmul(self._layout, x, w, self._cols)
+        return self._matmul(self._layout, x, w, self._cols, activations=self._activations)
 
 
 class _PagedRunner:
@@ -113,14 +204,18 @@ def match_residual_rms_norm(region) -> float | None:
 class CpuSynthesizer:
     """Native kernels for quantized matmuls, numba for everything else (module docs)."""
 
-    name = "numba+native"
-
     def __init__(self, fallback=None, cache_dir: Path | None = None):
         if fallback is None:
             from fuel.jit.numba_synth import NumbaSynthesizer
 
             fallback = NumbaSynthesizer(cache_dir)
         self.fallback = fallback
+        self.q8_activations = q8_activations_enabled()
+        """Whether decode matmuls get 8-bit activations (``FUEL_Q8_ACTIVATIONS``, read here)."""
+        self.name = "numba+native+q8" if self.q8_activations else "numba+native"
+        """In the program cache's key (``runtime.program_cache.options_identity``): a program
+        adopted with the 8-bit-activation kernels is never restored where they are off, nor the
+        other way round (restoring binds kernels without verifying them again)."""
         self._ready: dict[str, SynthesizedKernel] = {}
         self.native_note: str | None = None
         """Why the native library is not used here (None when it is, or was never needed)."""
@@ -152,13 +247,18 @@ class CpuSynthesizer:
             self.native_note = lib.reason
             return None
         key = request.structure_key()
-        entry_point = f"native:{quant.layout}:{key[:32]}"
+        q8 = quant.layout in native.Q8_FORMATS and self.q8_activations
+        entry_point = f"native:{quant.layout}{':q8' if q8 else ''}:{key[:32]}"
         source = (f"fuel.kernels.native fuel_matmul(gguf/{quant.layout}, cols={quant.cols}) "
                   f"from {lib.path}")
+        if q8:
+            source += ("\n# decode rows: fuel_matmul_q8, activations rounded to 8 bits per "
+                       "32-element block (error bound: fuel.jit.native_synth.q8_error_bound)")
         self._ready[entry_point] = SynthesizedKernel(
-            entry_point, key, BackendId.CPU, KERNEL_SOURCE,
-            _QuantRunner(lib, quant.layout, quant.cols), source,
-            (time.perf_counter() - started) * 1e3, True)
+            entry_point, key, BackendId.CPU, KERNEL_SOURCE_Q8 if q8 else KERNEL_SOURCE,
+            _QuantRunner(lib, quant.layout, quant.cols, "q8" if q8 else "f32"), source,
+            (time.perf_counter() - started) * 1e3, True,
+            _Q8Bound(quant.layout, quant.cols) if q8 else None)
         return Synthesized(entry_point)
 
     def _paged(self, request: JitRequest, paged) -> SynthesisResult | None:
@@ -219,4 +319,5 @@ class CpuSynthesizer:
         return self.fallback.rejections
 
 
-__all__ = ["CpuSynthesizer", "KERNEL_SOURCE"]
+__all__ = ["CpuSynthesizer", "KERNEL_SOURCE", "KERNEL_SOURCE_Q8", "Q8_ENV", "q8_activations_enabled",
+           "q8_error_bound"]

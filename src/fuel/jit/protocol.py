@@ -157,6 +157,13 @@ class SynthesizedKernel:
     output tensor; ``source`` is the generated code (kept for reports and the disk cache);
     ``compile_ms`` the measured compile (or cache load) time; ``kernel_source`` the stable name
     the table and the Judge record it under (``"jit.numba.cpu"``, ``"jit.triton.cuda"``).
+
+    ``error_bound`` is for a kernel that is *not* within the recipe tolerance by design (it
+    rounds on purpose, e.g. activations to 8 bits) but within a bound it states:
+    ``error_bound(inputs, reference)`` returns the allowed absolute error of each output element
+    (a tensor of the reference's shape, or broadcastable to it, finite and non-negative), which
+    adoption adds to the dtype's recipe tolerance when it verifies the kernel. ``None`` (the
+    default): the kernel must be within the recipe tolerance alone.
     """
 
     entry_point: str
@@ -167,6 +174,7 @@ class SynthesizedKernel:
     source: str
     compile_ms: float
     from_cache: bool = False
+    error_bound: Callable[[tuple[Any, ...], Any], Any] | None = None
 
 
 @runtime_checkable

@@ -20,9 +20,18 @@ Invariants:
   cached under ``$FUEL_CACHE_DIR/native/<key>/`` and written atomically (compiled to a temp
   name, renamed), so a concurrent process never loads a half-written file; a file that fails to
   load is removed and built again once.
-- A kernel returns the product of the *dequantized* weight with f32 activations (activations
-  are never rounded to 8 bits): equal to the dequantize-then-matmul recipe within f32
-  reassociation, which the JIT verifies at every shape it adopts.
+- ``matmul(..., activations="f32")`` (the default, and every path other than the one below)
+  returns the product of the *dequantized* weight with f32 activations, never rounded to 8
+  bits: equal to the dequantize-then-matmul recipe within f32 reassociation, which the JIT
+  verifies at every shape it adopts.
+- Exactly one kernel rounds activations: ``matmul(..., activations="q8")`` for the formats in
+  :data:`Q8_FORMATS` at decode rows (at most :data:`STREAM_ROWS`; ``fuel_matmul_q8`` in
+  ``gemv.c``). Each activation row is rounded per 32-element block to ``d * q`` with
+  ``d = amax/127`` (f32) and ``q = round_half_even(x * 127/amax)`` in [-127, 127]
+  (:meth:`NativeKernels.quantize_q8` returns exactly these), and every block's product with
+  the packed quants is an exact integer dot product scaled in f32. It is *not* within the
+  recipe tolerance; ``fuel.jit.native_synth.q8_error_bound`` states the bound it is verified
+  against. More rows in a ``q8`` call take the f32 path (not rounded).
 - Never raises for an ordinary "no": :func:`load` returns :class:`Unavailable`.
 """
 
@@ -56,6 +65,9 @@ QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k
                            "f16", "bf16"})
 """The packed layouts a ``quant_linear`` region may carry that the library multiplies (GGUF
 blocks, and 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``)."""
+
+Q8_FORMATS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"})
+"""The formats with an 8-bit-activation decode kernel (``matmul(..., activations="q8")``)."""
 
 STREAM_ROWS = 4
 """Activation rows up to which one streaming pass beats dequantize-then-GEMM (decode shapes)."""
@@ -104,6 +116,11 @@ class NativeKernels:
         lib.fuel_residual_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
             ctypes.c_float]
         lib.fuel_residual_rms_norm.restype = None
+        lib.fuel_matmul_q8.argtypes = lib.fuel_matmul.argtypes
+        lib.fuel_matmul_q8.restype = ctypes.c_int
+        lib.fuel_quantize_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_void_p, ctypes.c_void_p]
+        lib.fuel_quantize_q8.restype = ctypes.c_int
         lib.fuel_pool_threads.argtypes = [ctypes.c_int]
         lib.fuel_pool_threads.restype = ctypes.c_int
         self._call = lib.fuel_matmul
@@ -233,27 +250,58 @@ class NativeKernels:
         """How many threads a parallel region of the library gets when asked for ``threads``."""
         return int(self._lib.fuel_pool_threads(threads))
 
-    def matmul(self, fmt: str, x: Any, w: Any, cols: int, threads: int | None = None) -> Any:
+    def quantize_q8(self, x: Any) -> tuple[Any, Any]:
+        """The activation rounding of ``activations="q8"``: f32 ``x [rows, K]`` (K a multiple of
+        32) as int8 ``q [rows, K]`` and f32 ``d [rows, K/32]`` with ``x ~ d * q`` per 32-element
+        block (``d = amax/127``, ``q = round_half_even(x * (127/amax))``; NaN ``d`` for a block
+        holding a NaN or infinity). Natural element order."""
+        import torch
+
+        rows = x.to(torch.float32).contiguous()
+        count, cols = rows.shape
+        if cols % 32:
+            raise ValueError(f"q8 activations need a multiple of 32 columns, not {cols}")
+        q = torch.empty((count, cols), dtype=torch.int8)
+        d = torch.empty((count, cols // 32), dtype=torch.float32)
+        self._lib.fuel_quantize_q8(rows.data_ptr(), count, cols, q.data_ptr(), d.data_ptr())
+        return q, d
+
+    def matmul(self, fmt: str, x: Any, w: Any, cols: int, threads: int | None = None,
+               activations: str = "f32") -> Any:
         """``x [..., cols] f32 @ dequantize(w).T`` for ``w`` packed rows ``[N, row_bytes]`` (uint8,
         block formats) or a ``[N, cols]`` f32/f16/bf16 matrix. Returns f32 ``[..., N]``.
 
         Up to :data:`STREAM_ROWS` activation rows, one pass over the packed weight computes every
         output (decode: the weight read is the cost). More rows (prefill) are a GEMM: the weight
         is dequantized a tile of :data:`TILE_ELEMENTS` at a time and each tile multiplied by
-        torch's GEMM, so the packed weight is still read once and the f32 copy stays small."""
+        torch's GEMM, so the packed weight is still read once and the f32 copy stays small.
+
+        ``activations="q8"`` (formats in :data:`Q8_FORMATS` only; ValueError otherwise): up to
+        :data:`STREAM_ROWS` rows, the activations are rounded to 8 bits per 32-element block
+        (:meth:`quantize_q8`) and each block's product is an integer dot product on the packed
+        quants (``fuel_matmul_q8``): NOT within the f32 recipe tolerance, within the bound
+        ``fuel.jit.native_synth.q8_error_bound`` states. More rows take the f32 GEMM path
+        above (activations not rounded)."""
         import torch
 
+        if activations not in ("f32", "q8"):
+            raise ValueError(f"activations must be 'f32' or 'q8', not {activations!r}")
+        if activations == "q8" and fmt not in Q8_FORMATS:
+            raise ValueError(f"no 8-bit-activation kernel for {fmt} (only {sorted(Q8_FORMATS)})")
         code = FORMAT_CODES[fmt]
         threads = threads if threads is not None else torch.get_num_threads()
         lead = tuple(x.shape[:-1])
-        rows = (x if x.dim() == 2 else x.reshape(-1, cols)).to(torch.float32).contiguous()
-        weight = w.contiguous()
+        rows = x if x.dim() == 2 else x.reshape(-1, cols)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():  # a decode row already is
+            rows = rows.to(torch.float32).contiguous()
+        weight = w if w.is_contiguous() else w.contiguous()
         n = weight.shape[0]
         row_bytes = weight.stride(0) * weight.element_size()
         out = torch.empty((rows.shape[0], n), dtype=torch.float32)
         if rows.shape[0] <= STREAM_ROWS:
-            status = self._call(code, rows.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                rows.shape[0], n, cols, row_bytes, threads)
+            call = self._lib.fuel_matmul_q8 if activations == "q8" else self._call
+            status = call(code, rows.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                          rows.shape[0], n, cols, row_bytes, threads)
         else:
             status, step = 0, max(1, TILE_ELEMENTS // cols)
             tile = torch.empty((min(step, n), cols), dtype=torch.float32)
@@ -380,4 +428,5 @@ def _compile(compiler: str, openmp: Path, folder: Path, target: Path) -> None | 
     return None
 
 
-__all__ = ["FORMAT_CODES", "NativeKernels", "QUANT_LAYOUTS", "Unavailable", "load", "prefetch"]
+__all__ = ["FORMAT_CODES", "NativeKernels", "Q8_FORMATS", "QUANT_LAYOUTS", "STREAM_ROWS", "Unavailable",
+           "load", "prefetch"]
