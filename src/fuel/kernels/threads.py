@@ -31,8 +31,12 @@ threads (``benchmarks/profile_step.py --jit --dtype stored``):
   threads land on one core, and a spinning thread holds the core its partner needs.
 
 So the spin follows the machine: :func:`spin_count_for` gives :data:`SPIN_IDLE` iterations when
-the load average leaves a core idle, :data:`SPIN_BUSY` otherwise (read once, when fuel is
-imported: OpenMP reads the variable once, when torch loads).
+the load leaves a core idle, :data:`SPIN_BUSY` otherwise (read once, when fuel is imported:
+OpenMP reads the variable once, when torch loads). The load is :func:`current_load`: the tasks
+running *now* besides this process (the kernel's runnable count, the least of a few samples),
+not the one-minute average, which still counts a run that ended seconds ago: a second
+``fuel run`` straight after a first one saw an average above 1 on this 2-core machine, took the
+busy spin on a quiet machine, and decoded at half speed.
 
 Invariants:
 - :func:`set_threads` is the only place fuel sizes a pool; the count it returns is the one in
@@ -64,16 +68,48 @@ def spin_count_for(load: float, cores: int) -> int:
     return SPIN_IDLE if load <= cores - 1 else SPIN_BUSY
 
 
+def runnable_from(loadavg: str) -> int | None:
+    """Tasks running or runnable at this instant, from ``/proc/loadavg``'s text (its fourth
+    field, ``running/total``); None when the text has no such field."""
+    fields = loadavg.split()
+    if len(fields) < 4 or "/" not in fields[3]:
+        return None
+    running = fields[3].split("/", 1)[0]
+    return int(running) if running.isdigit() else None
+
+
+def current_load(samples: int = 5, read=None) -> float:
+    """Other tasks running now: the least runnable count of ``samples`` reads of
+    ``/proc/loadavg`` (``read`` returns its text; 1 ms apart), less this process. Where the
+    kernel gives no such count, the one-minute load average."""
+    import time
+
+    read = read or (lambda: open("/proc/loadavg", encoding="ascii").read())  # noqa: SIM115
+    counts = []
+    for sample in range(samples):
+        try:
+            count = runnable_from(read())
+        except OSError:
+            count = None
+        if count is None:
+            break
+        counts.append(count)
+        if sample + 1 < samples:
+            time.sleep(0.001)
+    if counts:
+        return float(max(0, min(counts) - 1))
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
 def bound_pool_spin() -> None:
-    """Set the OpenMP pool's idle spin by the machine's load (module docs), unless the user
-    chose a policy (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` set)."""
+    """Set the OpenMP pool's idle spin by the machine's load now (module docs), unless the
+    user chose a policy (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` set)."""
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
         return
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
-    os.environ["GOMP_SPINCOUNT"] = str(spin_count_for(load, os.cpu_count() or 1))
+    os.environ["GOMP_SPINCOUNT"] = str(spin_count_for(current_load(), os.cpu_count() or 1))
 
 
 def set_threads(threads: int | None) -> int:
@@ -85,5 +121,5 @@ def set_threads(threads: int | None) -> int:
     return count
 
 
-__all__ = ["NUMBA_PARALLEL", "POOL", "SPIN_BUSY", "SPIN_IDLE", "bound_pool_spin", "set_threads",
-           "spin_count_for"]
+__all__ = ["NUMBA_PARALLEL", "POOL", "SPIN_BUSY", "SPIN_IDLE", "bound_pool_spin", "current_load",
+           "runnable_from", "set_threads", "spin_count_for"]
