@@ -180,6 +180,9 @@ INLINE __m256 block_dot(int fmt, const uint8_t *b, const float *x) {
 #endif
 
 
+#define TILE 16  /* weight rows per scheduling unit */
+
+#if !defined(FUEL_PART) || FUEL_PART == 1  /* the f32-activation matmuls (one parallel build half) */
 /* ---- K-quants (q4_k, q5_k, q6_k): 256-weight super-blocks ---------------------------------- */
 
 /* Sub-block j's 6-bit scale and min from a q4_k/q5_k scales[12]. */
@@ -540,7 +543,6 @@ INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
 #endif
 }
 
-#define TILE 16  /* weight rows per scheduling unit */
 
 /* Every output of weight rows [n0, n1) for all M activation rows; `fmt` is a constant at each
    call site (fuel_matmul's switch), so each format gets its own specialised loop. */
@@ -621,6 +623,8 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
     return 0;
 }
 
+#endif
+#if !defined(FUEL_PART) || FUEL_PART == 2  /* 8-bit activations (the other half) */
 /* ---- 8-bit activations: integer dot products on the packed quants (decode rows) ------------
 
    fuel_matmul_q8 multiplies the 32-weight block formats (q4_0, q4_1, q5_0, q5_1, q8_0) with
@@ -1084,6 +1088,8 @@ int fuel_quantize_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d) 
 }
 
 /* The runtime's own view of its pool, for tests: how many threads a parallel region gets. */
+#endif
+#if !defined(FUEL_PART) || FUEL_PART == 1
 int fuel_pool_threads(int threads) {
     int got = 1;
     #pragma omp parallel num_threads(threads)
@@ -1257,3 +1263,5 @@ int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void
     free(acc);
     return 0;
 }
+
+#endif
