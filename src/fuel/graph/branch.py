@@ -102,9 +102,12 @@ class ArmOutOfRange(BranchError):
 
 
 def ancestors(graph: Graph, starts: Iterable[NodeId],
-              reads: Mapping[NodeId, tuple[NodeId, ...]] | None = None) -> set[NodeId]:
-    """Ancestors-or-self of ``starts`` (through ``reads`` where given, else node inputs)."""
-    seen: set[NodeId] = set()
+              reads: Mapping[NodeId, tuple[NodeId, ...]] | None = None,
+              seen: set[NodeId] | None = None) -> set[NodeId]:
+    """Ancestors-or-self of ``starts`` (through ``reads`` where given, else node inputs).
+    ``seen``, when given, is a set already closed under ancestors (every ancestor of a member is
+    a member): it is extended in place and returned, and the walk stops at its members."""
+    seen = set() if seen is None else seen
     stack = list(starts)
     while stack:
         node_id = stack.pop()
@@ -249,7 +252,7 @@ def effective_roots(graph: Graph, roots: Iterable[NodeId]) -> tuple[NodeId, ...]
             for branch in by_merge[merge]:
                 if branch not in result:
                     result.add(branch)
-                    reached |= ancestors(graph, [branch])
+                    ancestors(graph, [branch], seen=reached)  # only what is new is walked
                     changed = True
     return tuple(sorted(result))
 
