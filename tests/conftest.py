@@ -25,6 +25,13 @@ import pytest
 CIRCUIT_DATA = Path(__file__).parent / "circuit" / "data"
 _MADE_CACHE = "_FUEL_TEST_SESSION_CACHE"
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers share the cores: an OpenMP thread that spins after its region (fuel picks a long
+    # spin when it is imported on an idle machine: fuel.kernels.threads) holds a core the other
+    # worker needs, and a real-model fixture took 92 s instead of 15. Short spins, as fuel picks
+    # on a busy machine; set before any test imports torch (its OpenMP runtime reads it once).
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("FUEL_CACHE_DIR"):
