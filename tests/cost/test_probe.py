@@ -34,6 +34,7 @@ def test_reprobe_measures_again_and_rewrites_the_cache(isolated_cache, monkeypat
         "bandwidth_bytes_per_s": 5e9, "copy_bytes_per_s": 2e9, "launch_overhead_ns": 6,
         "memory_bytes": 7, "torch_threads": 1,
         "cache_bytes": 8, "cache_bandwidth_bytes_per_s": 9e9, "cache_note": "fake",
+    "hot_call_ns": 1, "stream_note": "fake",
     }
     monkeypatch.setattr(probe, "measure_cpu_local", lambda: dict(fake))
     spec = device("cpu-local", reprobe=True)
@@ -107,3 +108,21 @@ def test_the_probe_prices_what_the_cpu_kernels_do(isolated_cache):
     assert all(rate > 0 for rate in spec.gemv_flops.values())
     assert "read" in spec.sources["bandwidth"] and "matrix-vector" in spec.sources["peak_tflops"]
     assert spec.host_call_ns == spec.launch_overhead_ns > 0
+
+
+def test_the_bandwidth_probe_streams_twice_the_last_level_cache(monkeypatch):
+    # Why: one 64 MiB weight read again and again stays in a large LLC (480 MiB on this VM's
+    # host): the probe said 50 GB/s where a decode step of an f32 model reads at ~20.
+    import torch
+
+    from fuel.cost import probe
+
+    monkeypatch.setattr(probe, "_GEMV_SHAPE", (64, 64))  # 16 KiB slices keep the test small
+    monkeypatch.setattr(probe, "_STREAM_MIN_BYTES", 64 * 1024)
+    monkeypatch.setattr(probe, "_llc_bytes", lambda: 100 * 1024)
+    monkeypatch.setattr(probe, "_physical_memory_bytes", lambda: 1 << 40)
+    slices, llc = probe._stream_slices(torch)
+    assert llc == 100 * 1024 and len(slices) * 64 * 64 * 4 >= 2 * llc
+    assert len({w.data_ptr() for w in slices}) == len(slices)  # distinct weights, not one re-read
+    monkeypatch.setattr(probe, "_llc_bytes", lambda: None)  # unknown LLC: the floor
+    assert len(probe._stream_slices(torch)[0]) * 64 * 64 * 4 >= 64 * 1024

@@ -128,6 +128,7 @@ _FAKE_PROBE = {
     "fp32_gemv_flops": 1e8, "bf16_gemv_flops": 2e8, "fp16_gemv_flops": 3e8, "copy_bytes_per_s": 4e9,
     "bandwidth_bytes_per_s": 5e9, "launch_overhead_ns": 6, "memory_bytes": 7, "torch_threads": 1,
     "cache_bytes": 8, "cache_bandwidth_bytes_per_s": 9e9, "cache_note": "fake",
+    "hot_call_ns": 1, "stream_note": "fake",
 }
 
 

@@ -9,10 +9,13 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
 - Matrix-vector rates (``gemv_flops``, per dtype): the same kernel at M=1 on a 4096 x 4096
   weight (64 MiB in f32: twice this machine's last-level cache), as every decode step calls it:
   that rate is what a one-row product achieves, bandwidth and all.
-- Bandwidth: the bytes that f32 matrix-vector product reads per second — what a decode step
-  does (it reads weights and the KV cache; it writes almost nothing). The streaming
-  ``copy_`` rate (read + write) is recorded in the source line; writes cost more than reads on
-  this hardware, so the copy rate would understate a read-dominated step.
+- Bandwidth: the bytes the f32 matrix-vector kernel reads per second streaming a weight set
+  twice the size of the last-level cache (sysfs; 64 MiB slices one after the other, as a decode
+  step reads its layers), so the rate is memory's, not the cache's: one 64 MiB weight read over
+  and over stays in a large LLC (480 MiB on this VM's host) and measured 50 GB/s where a decode
+  step of SmolLM2 in f32 (540 MB) reads at ~20. The streaming ``copy_`` rate (read + write) is
+  recorded in the source line; writes cost more than reads on this hardware, so the copy rate
+  would understate a read-dominated step.
 - Vector rate: in-cache ``torch.addcmul`` (2 FLOP per element) — elementwise work at its best —
   as the slope between two sizes, so the fixed per-call cost (priced separately, as launch
   overhead) is not folded into the rate.
@@ -25,9 +28,12 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
   caches stop holding a stream before their nominal size. It is compared with the DRAM copy
   rate (like with like). No L2 size from the OS, an in-cache rate that is not faster than DRAM,
   or a slope that does not resolve: no tier, and the source line says which.
-- Per-call overhead: a one-element ``torch.add`` — the fixed host cost every CPU kernel call
-  pays (Python dispatch, the framework's op launch). It is both the launch overhead and the
-  host cost of a view (``host_call_ns``): on the CPU backend both are one torch call.
+- Per-call overhead: what a one-element ``torch.add`` adds to a pass over the streamed weights
+  when sixteen of them follow each slice — the fixed host cost every CPU kernel call pays
+  (Python dispatch, the framework's op launch) *in a step*, where each call finds the caches
+  just flushed by a weight stream (measured here: ~1 us back to back, several times that
+  after a stream). It is both the launch overhead and the host cost of a view
+  (``host_call_ns``): on the CPU backend both are one torch call.
 - Memory size: physical RAM.
 
 The probe takes a few seconds on a quiet machine (each rate is a handful of timed calls).
@@ -52,9 +58,11 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 3  # 3: linear-kernel GEMM/GEMV rates, read bandwidth, per-call overhead
+CACHE_VERSION = 4  # 4: bandwidth beyond the LLC, per-call overhead in a streaming step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
-_GEMV_SHAPE = (4096, 4096)  # (N, K) of the matrix-vector weight: 64 MiB in f32, twice the LLC
+_GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
+_STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
+_CALLS_PER_SLICE = 16
 _GEMM_SHAPE = (256, 512, 512)  # (M, K, N) of the prefill-shaped product
 _SLOW_CALL_NS = 100_000_000
 _DTYPES = (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"))
@@ -152,6 +160,61 @@ def _measure_cache_tier(torch, threads: int, dram_bytes_per_s: float) -> tuple[i
     )
 
 
+def _llc_bytes() -> int | None:
+    """The largest cache the OS reports for CPU 0 (sysfs), or None."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    sizes = []
+    try:
+        for index in root.glob("index*"):
+            text = (index / "size").read_text().strip().upper()
+            scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        return None
+    return max(sizes, default=None)
+
+
+def _stream_slices(torch) -> tuple[list, int]:
+    """f32 ``[4096, 4096]`` weight slices whose total is twice the LLC (at least
+    ``_STREAM_MIN_BYTES``, at most an eighth of RAM), and the LLC size used (0: unknown)."""
+    rows, cols = _GEMV_SHAPE
+    slice_bytes = rows * cols * 4
+    llc = _llc_bytes() or 0
+    total = max(_STREAM_MIN_BYTES, 2 * llc)
+    memory = _physical_memory_bytes()
+    if memory:
+        total = min(total, max(slice_bytes, memory // 8))
+    count = max(1, -(-total // slice_bytes))
+    return [torch.full((rows, cols), 0.01) for _ in range(count)], llc
+
+
+def _stream_rates(torch, linear) -> tuple[float, float, int, int]:
+    """(bytes/s the f32 linear kernel reads streaming the slices, ns one tiny call adds after a
+    stream, slices, LLC bytes): see the module docstring."""
+    slices, llc = _stream_slices(torch)
+    rows, cols = _GEMV_SHAPE
+    x = torch.randn(1, cols)
+    one_a, one_b, one_out = torch.ones(1), torch.ones(1), torch.empty(1)
+    for w in slices:
+        linear(x, w)  # prepares each weight once, as a run does
+
+    def stream() -> None:
+        for w in slices:
+            linear(x, w)
+
+    def stream_with_calls() -> None:
+        for w in slices:
+            linear(x, w)
+            for _ in range(_CALLS_PER_SLICE):
+                torch.add(one_a, one_b, out=one_out)
+
+    plain = profile_kernel(stream, warmup=1, repeats=5, min_sample_ns=0)
+    calls = profile_kernel(stream_with_calls, warmup=1, repeats=5, min_sample_ns=0)
+    bandwidth = len(slices) * rows * cols * 4 / (plain.median_ns * 1e-9)
+    per_call = max(0.0, (calls.median_ns - plain.median_ns) / (len(slices) * _CALLS_PER_SLICE))
+    return bandwidth, per_call, len(slices), llc
+
+
 def _vector_flops_per_s(torch) -> float:
     """In-cache addcmul rate: the slope between 8 Ki and 32 Ki elements (3 x 128 KiB at most,
     inside L2, so this is arithmetic, not DRAM); the larger size's plain rate, a lower bound,
@@ -243,7 +306,13 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
             rate, gemv_ns = _linear_rate(torch, dtype, 1, cols, rows, shrink=name != "fp32")
             numbers[f"{name}_gemv_flops"] = rate
             if name == "fp32":
-                numbers["bandwidth_bytes_per_s"] = rows * cols * 4 / (gemv_ns * 1e-9)
+                step("weight stream (bandwidth, per-call overhead)")
+                bandwidth, per_call, slices, llc = _stream_rates(torch, _linear_kernel(torch, dtype))
+                numbers["bandwidth_bytes_per_s"] = bandwidth
+                numbers["launch_overhead_ns"] = per_call
+                numbers["stream_note"] = (f"{slices} slices of {rows}x{cols} f32 (LLC "
+                                          f"{llc / 2**20:.0f} MiB from sysfs)" if llc else
+                                          f"{slices} slices of {rows}x{cols} f32 (LLC unknown)")
             task.advance()
 
         step("vector rate")
@@ -266,10 +335,13 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
         numbers["cache_note"] = note
         task.advance()
 
-        step("launch overhead")
+        step("back-to-back call")
         one_a, one_b, one_out = torch.ones(1), torch.ones(1), torch.empty(1)
         tiny = profile_kernel(lambda: torch.add(one_a, one_b, out=one_out), warmup=100, repeats=15)
-        numbers["launch_overhead_ns"] = tiny.median_ns
+        numbers["hot_call_ns"] = tiny.median_ns
+        # In a step a call costs at least what it costs back to back (a stream that leaves the
+        # call's code and data cached adds nothing, and then its difference is noise).
+        numbers["launch_overhead_ns"] = max(float(numbers["launch_overhead_ns"]), tiny.median_ns)
         task.advance()
     numbers["memory_bytes"] = _physical_memory_bytes()
     numbers["torch_threads"] = torch.get_num_threads()
@@ -294,9 +366,9 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         launch_overhead_ns=int(numbers["launch_overhead_ns"]),
         sources={
             "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements",
-            "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product on a {rows}x{cols} weight (a decode step reads); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
+            "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
             "memory": f"{probe}: physical RAM (sysconf)",
-            "launch_overhead": f"{probe}: median one-element torch.add call (also the host cost of a view)",
+            "launch_overhead": f"{probe}: what a one-element torch.add adds after each streamed weight slice, {_CALLS_PER_SLICE} a slice (a call in a step, caches just flushed; back to back it takes {float(numbers['hot_call_ns']) / 1e3:.1f} us); also the host cost of a view",
             "cache": f"{probe}: {numbers['cache_note']}",
         },
         probed=True,
@@ -321,6 +393,8 @@ _REQUIRED = (
     "vector_flops",
     "bandwidth_bytes_per_s",
     "launch_overhead_ns",
+    "hot_call_ns",
+    "stream_note",
     "memory_bytes",
     "torch_threads",
     "cache_bytes",
