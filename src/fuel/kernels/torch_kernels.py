@@ -321,14 +321,10 @@ def _rope(node: Node):
 
 
 def _silu_mul(node: Node):
-    native = _native_library()
-
     def silu_mul(gate, up):
-        if native is not None and gate.device.type == "cpu":
-            out = native.silu_mul(gate, up)
-            if out is not None:
-                return out
         # silu returns a fresh tensor, so the product is taken in place (one allocation fewer).
+        # torch's vectorized silu beat a native scalar-expf loop at every size measured here
+        # (1,536 elements: 3.3 against 6.8 us; a 48-row prompt chunk: 29 against 245 us).
         return F.silu(gate).mul_(up)
     return silu_mul
 

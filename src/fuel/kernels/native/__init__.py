@@ -103,8 +103,6 @@ class NativeKernels:
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_int64]
         lib.fuel_rope.restype = None
-        lib.fuel_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        lib.fuel_silu_mul.restype = None
         lib.fuel_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.fuel_argmax.restype = None
         lib.fuel_kv_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -140,17 +138,6 @@ class NativeKernels:
         out = torch.empty((rows, heads, width), dtype=torch.float32)
         self._lib.fuel_rope(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                             out.data_ptr(), rows, heads, width)
-        return out
-
-    def silu_mul(self, gate: Any, up: Any) -> Any | None:
-        """``silu(gate) * up`` for contiguous f32 tensors of one shape; None otherwise."""
-        import torch
-
-        if not (gate.dtype == up.dtype == torch.float32 and gate.shape == up.shape
-                and gate.is_contiguous() and up.is_contiguous()):
-            return None
-        out = torch.empty_like(gate)
-        self._lib.fuel_silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
         return out
 
     def argmax(self, x: Any) -> Any | None:

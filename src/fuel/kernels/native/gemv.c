@@ -1137,14 +1137,6 @@ void fuel_rope(const float *x, int64_t xr, int64_t xh, const float *cos_, const 
     }
 }
 
-/* SwiGLU, f32: out[i] = silu(gate[i]) * up[i] over n contiguous elements. */
-void fuel_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
-    }
-}
-
 /* Row-wise argmax of f32 x[R, V] (contiguous), torch's semantics: the first maximal index, and
    a NaN counts as the maximum (its first index wins). Two vector passes over the row (it stays
    in cache): the maximum and whether any NaN, then the first index holding it. */
