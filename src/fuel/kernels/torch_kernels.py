@@ -525,7 +525,7 @@ def _linear_calls(node: Node, inputs: Sequence[Node]) -> int:
 _CALLS: dict[FusedOps, CallsFn] = {
     # split (chunk), mul, neg, cat, mul, add; one native call for f32 [rows, heads, D]
     FusedOps.ROPE: lambda node, inputs: 1 if _native_serves(node, inputs, rank=3) else 6,
-    FusedOps.SILU_MUL: lambda node, inputs: 1 if _native_serves(node, inputs) else 2,  # silu, mul
+    FusedOps.SILU_MUL: lambda node, inputs: 2,  # silu, mul_
     FusedOps.FUSED_LINEAR: _linear_calls,
     FusedOps.FLASH_ATTN: _flash_attn_calls,
 }
