@@ -17,6 +17,8 @@ for nothing — so they bind the plain kernel (:data:`U32_NATIVE`).
 
 from __future__ import annotations
 
+import math
+
 import itertools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -529,8 +531,14 @@ def _matmul_calls(node: Node, inputs: Sequence[Node]) -> int:
 
 def _linear_calls(node: Node, inputs: Sequence[Node]) -> int:
     """The prepared weight is reused, so one mm/addmm (or oneDNN linear) call; a batched input
-    adds a view in and out."""
-    return 1 if len(inputs[0].shape.dims) == 2 else 3
+    adds a view in and out. An f32 prompt chunk (``CHECKPOINT_ROWS`` rows or more) is
+    ``F.linear`` on the checkpoint layout: its transpose view too."""
+    dims = inputs[0].shape.dims
+    batched = 0 if len(dims) == 2 else 2
+    rows = math.prod(dims[:-1]) if all(isinstance(d, int) for d in dims[:-1]) else None
+    if node.dtype is DType.F32 and rows is not None and rows >= CHECKPOINT_ROWS:
+        return 2 + batched
+    return 1 + batched
 
 
 _CALLS: dict[FusedOps, CallsFn] = {
