@@ -206,3 +206,36 @@ def _one_torch_thread_per_xdist_worker():
     if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     yield
+
+
+@pytest.fixture(scope="session")
+def native_lib():
+    """The native kernels this machine builds (``fuel.kernels.native``): a test that needs them
+    fails, never skips, when they do not build (the machines fuel tests on have gcc)."""
+    from fuel.kernels import native
+
+    loaded = native.load()
+    if isinstance(loaded, native.Unavailable):
+        pytest.fail(f"the native kernels must build on this machine (gcc is installed): {loaded.reason}")
+    return loaded
+
+
+def build_native_variant(target: Path, isa: tuple[str, ...]):
+    """The native library built without ``-march=native`` but with ``isa`` (e.g. ``-mavx2``):
+    the paths this machine's own build skips. Returns it loaded (``NativeKernels``)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from fuel.kernels import native
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    openmp = native._torch_openmp()
+    # The native build needs both (the `native_lib` fixture fails without them): so does this.
+    assert compiler is not None and openmp is not None
+    flags = [f for f in native.FLAGS if not f.startswith("-march")] + list(isa)
+    link = [f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
+    done = subprocess.run([compiler, *flags, *map(str, native.SOURCES), "-o", str(target), *link],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return native.NativeKernels(ctypes.CDLL(str(target)), target, compiler)

@@ -13,7 +13,7 @@ from fuel.graph import BackendId, DType, FusedOpParams, FusedOps, Graph, Runtime
 from fuel.jit import Synthesized, SynthesizedKernel
 from fuel.jit.adopt import Outcome, adopt
 from fuel.jit.native_synth import KERNEL_SOURCE_Q8, CpuSynthesizer, q8_error_bound
-from fuel.kernels import cpu_table, native
+from fuel.kernels import cpu_table
 from fuel.kernels.quant_blocks import packed_row_bytes
 
 from tests.jit.helpers import request_for
@@ -48,11 +48,8 @@ class BoundSynth:
 
 
 @pytest.fixture(scope="module")
-def lib():
-    loaded = native.load()
-    if isinstance(loaded, native.Unavailable):
-        pytest.fail(f"the native kernels must build on this machine: {loaded.reason}")
-    return loaded
+def lib(native_lib):
+    return native_lib
 
 
 def _adopt(synth, request):

@@ -31,11 +31,8 @@ K_LAYOUTS = ("q4_k", "q5_k", "q6_k")
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    loaded = native.load()
-    if isinstance(loaded, native.Unavailable):
-        pytest.fail(f"the native kernels must build on this machine (gcc is installed): {loaded.reason}")
-    return loaded
+def lib(native_lib):
+    return native_lib
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -150,20 +147,9 @@ def test_the_portable_and_avx2_builds_equal_the_reference(tmp_path, isa):
     """gemv.c without ``-march=native`` takes the paths this machine's native build skips: the
     portable C (baseline x86-64: no AVX2, no F16C) and the AVX2 intrinsics (a CPU without
     AVX-512): every format, streamed and tiled."""
-    import ctypes
-    import shutil
+    from tests.conftest import build_native_variant
 
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    openmp = native._torch_openmp()
-    # The native build needs both (the `lib` fixture fails without them): so does this one.
-    assert compiler is not None and openmp is not None
-    target = tmp_path / "portable.so"
-    flags = [f for f in native.FLAGS if not f.startswith("-march")] + list(isa)
-    link = [f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
-    done = subprocess.run([compiler, *flags, *map(str, native.SOURCES), "-o", str(target), *link],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    portable = native.NativeKernels(ctypes.CDLL(str(target)), target, compiler)
+    portable = build_native_variant(tmp_path / "portable.so", isa)
     generator = torch.Generator().manual_seed(9)
     for layout in LAYOUTS + K_LAYOUTS:
         cols = 512 if layout in K_LAYOUTS else 224

@@ -12,11 +12,8 @@ builds."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -36,11 +33,8 @@ COLS = (32, 96, 160, 192, 224, 1568)
 
 
 @pytest.fixture(scope="module")
-def lib():
-    loaded = native.load()
-    if isinstance(loaded, native.Unavailable):
-        pytest.fail(f"the native kernels must build on this machine: {loaded.reason}")
-    return loaded
+def lib(native_lib):
+    return native_lib
 
 
 def exact_weights(w: torch.Tensor, layout: str, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,16 +177,9 @@ def test_every_build_is_the_exact_integer_product(tmp_path, isa):
     missing = [need[f] for f in isa if f in need and need[f] not in flags]
     if missing:
         pytest.skip(f"this CPU lacks {missing}")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    openmp = native._torch_openmp()
-    assert compiler is not None and openmp is not None
-    target = tmp_path / "variant.so"
-    build = [f for f in native.FLAGS if not f.startswith("-march")] + list(isa)
-    link = [f"-L{openmp.parent}", f"-l:{openmp.name}", f"-Wl,-rpath,{openmp.parent}"]
-    done = subprocess.run([compiler, *build, *map(str, native.SOURCES), "-o", str(target), *link],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    variant = native.NativeKernels(ctypes.CDLL(str(target)), target, compiler)
+    from tests.conftest import build_native_variant
+
+    variant = build_native_variant(tmp_path / "variant.so", isa)
     x = torch.randn(4, 1568, generator=torch.Generator().manual_seed(5)) * 4
     q, d = variant.quantize_q8(x)
     want_q, want_d = stated_rounding(x)

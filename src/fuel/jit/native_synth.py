@@ -276,88 +276,64 @@ class CpuSynthesizer:
         return answer if answer is not None else self.fallback.synthesize(request)
 
     def _native(self, request: JitRequest) -> SynthesisResult | None:
+        """The native library's answer, or None (numba answers instead): every operand a
+        native kernel reads as data is f32 (index operands aside)."""
         if request.arch is not ArchSku.CPU:
             return None
         from fuel.jit.paged import match_paged
         from fuel.kernels import native
 
         paged = match_paged(request.region)
-        if paged is not None:
-            return self._paged(request, paged)
+        if paged is not None:  # q, caches and output (the block table and lengths: indices)
+            return self._answer(request, (*request.inputs[:3], request.output), "paged",
+                                lambda lib: _PagedRunner(lib, paged),
+                                f"fuel.kernels.native fuel_paged_attn (decode rows, scale "
+                                f"{paged.softmax_scale}, softcap {paged.softcap}); prompt "
+                                f"chunks: fuel.jit.paged.sdpa_prefill\n")
         eps = match_residual_rms_norm(request.region)
         if eps is not None:
-            return self._residual_norm(request, eps)
+            return self._answer(request, request.operands, "residual_rms_norm",
+                                lambda lib: _ResidualNormRunner(lib, eps),
+                                f"fuel.kernels.native fuel_residual_rms_norm(eps={eps})\n")
         quant = match_quant_linear(request.region)
         if quant is None or quant.layout not in native.QUANT_LAYOUTS:
             return None
-        if any(o.dtype.dtype.value != "f32" for o in (request.inputs[0], request.output)):
-            return None  # the library takes and returns f32 activations
-        started = time.perf_counter()
-        lib = native.load()
-        if isinstance(lib, native.Unavailable):
-            self.native_note = lib.reason
-            return None
-        key = request.structure_key()
         q8 = quant.layout in native.Q8_FORMATS and self.q8_activations
-        entry_point = f"native:{quant.layout}{':q8' if q8 else ''}:{key[:32]}"
-        source = (f"fuel.kernels.native fuel_matmul(gguf/{quant.layout}, cols={quant.cols}) "
-                  f"from {lib.path}")
+        source = f"fuel.kernels.native fuel_matmul(gguf/{quant.layout}, cols={quant.cols})"
         if q8:
             source += ("\n# decode rows: fuel_matmul_q8, activations rounded to 8 bits per "
                        "32-element block (error bound: fuel.jit.native_synth.q8_error_bound)")
         if quant.layout == "bf16":
             source += ("\n# prompt chunks: torch's bf16 GEMM, activations rounded to bf16 "
                        "(error bound: fuel.jit.native_synth.bf16_rows_error_bound)")
-        self._ready[entry_point] = SynthesizedKernel(
-            entry_point, key, BackendId.CPU, KERNEL_SOURCE_Q8 if q8 else KERNEL_SOURCE,
-            _QuantRunner(lib, quant.layout, quant.cols, "q8" if q8 else "f32"), source,
-            (time.perf_counter() - started) * 1e3, True,
+        # The library takes and returns f32 activations (the weight is packed bytes).
+        return self._answer(
+            request, (request.inputs[0], request.output), f"{quant.layout}{':q8' if q8 else ''}",
+            lambda lib: _QuantRunner(lib, quant.layout, quant.cols, "q8" if q8 else "f32"),
+            source, KERNEL_SOURCE_Q8 if q8 else KERNEL_SOURCE,
             _Q8Bound(quant.layout, quant.cols) if q8
             else _Bf16RowsBound(quant.cols) if quant.layout == "bf16" else None)
-        return Synthesized(entry_point)
 
-    def _paged(self, request: JitRequest, paged) -> SynthesisResult | None:
-        """f32 operands: the native decode body and SDPA for prompt chunks (no numba at all);
-        anything else (half-precision caches) goes to the numba template."""
-        if any(o.dtype.dtype.value != "f32" for o in (*request.inputs[:3], request.output)):
+    def _answer(self, request: JitRequest, data, kind: str, make_run, source: str,
+                kernel_source: str = KERNEL_SOURCE, error_bound=None) -> Synthesized | None:
+        """Hand over ``make_run(library)`` for ``request`` when every operand in ``data`` is
+        f32 and the library loads here (None otherwise, the reason kept); the compile time
+        reported is the build or load it waited for."""
+        if any(o.dtype.dtype.value != "f32" for o in data):
             return None
-        started = time.perf_counter()
-        lib = self._lib()
-        if lib is None:
-            return None
-        return self._ready_kernel(request, started, "paged", _PagedRunner(lib, paged),
-                                  f"fuel.kernels.native fuel_paged_attn (decode rows, scale "
-                                  f"{paged.softmax_scale}, softcap {paged.softcap}); prompt "
-                                  f"chunks: fuel.jit.paged.sdpa_prefill\n")
-
-    def _residual_norm(self, request: JitRequest, eps: float) -> SynthesisResult | None:
-        if any(o.dtype.dtype.value != "f32" for o in request.operands):
-            return None
-        started = time.perf_counter()
-        lib = self._lib()
-        if lib is None:
-            return None
-        return self._ready_kernel(request, started, "residual_rms_norm", _ResidualNormRunner(lib, eps),
-                                  f"fuel.kernels.native fuel_residual_rms_norm(eps={eps})\n")
-
-    def _lib(self):
         from fuel.kernels import native
 
+        started = time.perf_counter()
         lib = native.load()
         if isinstance(lib, native.Unavailable):
             self.native_note = lib.reason
             return None
-        return lib
-
-    def _ready_kernel(self, request: JitRequest, started: float, kind: str, run,
-                      source: str) -> Synthesized:
-        """Hand over ``run`` for ``request`` (``started``: when the library was asked for, so
-        the compile time reported is the build or load it waited for)."""
         key = request.structure_key()
         entry_point = f"native:{kind}:{key[:32]}"
         self._ready[entry_point] = SynthesizedKernel(
-            entry_point, key, BackendId.CPU, KERNEL_SOURCE, run, source,
-            (time.perf_counter() - started) * 1e3, True)
+            entry_point, key, BackendId.CPU, kernel_source, make_run(lib),
+            f"{source.rstrip()}\n# library: {lib.path}\n",
+            (time.perf_counter() - started) * 1e3, True, error_bound)
         return Synthesized(entry_point)
 
     def take_kernel(self, entry_point: str) -> SynthesizedKernel | None:
