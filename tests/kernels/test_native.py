@@ -276,13 +276,13 @@ def _quant_request(layout: str, cols: int = 128):
     return request_for(graph, node)
 
 
-@pytest.mark.parametrize("layout, cols", [("q4_1", 128), ("bf16", 128), ("q4_k", 256),
-                                          ("q6_k", 256)])
+@pytest.mark.parametrize("layout, cols", [("q4_1", 128), ("bf16", 128), ("f16", 128),
+                                          ("q4_k", 256), ("q6_k", 256)])
 def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, cols, tmp_path):
     """q4_1 (a format with an 8-bit-activation kernel) gets it, with its stated error bound;
-    bf16 gets the f32-activation kernel for decode rows (its bound is zero there) and torch's
-    bf16 GEMM for a prompt chunk, within its stated bound; the others get the f32-activation
-    kernel, within the recipe tolerance alone."""
+    bf16 and f16 get the f32-activation kernel for decode rows (their bound is zero there) and
+    torch's GEMM in their format for a prompt chunk, within the stated bound; the others get the
+    f32-activation kernel, within the recipe tolerance alone."""
     from fuel.jit.native_synth import KERNEL_SOURCE, KERNEL_SOURCE_Q8, CpuSynthesizer
 
     synth = CpuSynthesizer(cache_dir=tmp_path)
@@ -291,14 +291,15 @@ def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, col
     kernel = synth.take_kernel(answer.entry_point)
     q8 = layout in native.Q8_FORMATS
     assert kernel.kernel_source == (KERNEL_SOURCE_Q8 if q8 else KERNEL_SOURCE)
-    assert (kernel.error_bound is not None) == (q8 or layout == "bf16")
+    half = layout in ("bf16", "f16")
+    assert (kernel.error_bound is not None) == (q8 or half)
     w = random_blocks(layout, 64, cols, torch.Generator().manual_seed(1))
     for rows in (1, 24):
         x = torch.randn(rows, cols)
         want = x @ dequantize(w, layout, cols).T
         bound = kernel.error_bound((x, w), want) if kernel.error_bound is not None else None
         assert verify(kernel.run(x, w), want, TOLERANCE, bound).ok
-        if layout == "bf16":
+        if half:
             assert (bound.max() == 0) == (rows == 1)  # exact f32 activations for decode rows
             if rows > 1:  # the chunk really rounds: outside the plain f32 tolerance
                 assert not verify(kernel.run(x, w), want, TOLERANCE).ok
@@ -445,3 +446,17 @@ def test_native_dequantize_is_bit_equal_to_the_gguf_reference(lib, layout):
     assert got is not None and got.shape == (3, 5, 512)
     assert torch.equal(got, dequantize(w, layout, 512))
     assert lib.dequantize("q2_k", w, 512) is None  # a format the library lacks: the caller's
+
+
+def test_an_f16_chunk_that_overflows_f16_is_computed_on_the_f32_path(lib, tmp_path):
+    """f16 tops out at 65504: a prompt chunk whose product overflows it must give the recipe's
+    finite values (the f32 path), never infinities."""
+    from fuel.jit.native_synth import CpuSynthesizer
+
+    synth = CpuSynthesizer(cache_dir=tmp_path)
+    kernel = synth.take_kernel(synth.synthesize(_quant_request("f16", 128)).entry_point)
+    w = torch.full((64, 128), 60.0).to(torch.float16).view(torch.uint8)
+    x = torch.full((24, 128), 50.0)  # 128 * 60 * 50 = 384,000 per output: past f16's range
+    out = kernel.run(x, w)
+    assert torch.isfinite(out).all()
+    assert verify(out, x @ dequantize(w, "f16", 128).T, TOLERANCE).ok

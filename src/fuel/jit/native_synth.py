@@ -128,18 +128,19 @@ class _Q8Bound:
         return q8_error_bound(self.layout, self.cols, inputs[0], inputs[1])
 
 
-BF16_UNIT = 2.0 ** -8
-"""bf16's unit roundoff (8 significant bits): a value rounded to it moves by at most this much
-of itself."""
+HALF_UNITS = {"bf16": 2.0 ** -8, "f16": 2.0 ** -11}
+"""Unit roundoff of each 16-bit format (8 and 11 significant bits): a value rounded to it moves
+by at most this much of itself."""
 
 
-def bf16_rows_error_bound(cols: int, x, w):
-    """The allowed ``|kernel - recipe|`` per output of a bf16 matrix's prompt-chunk product
-    (rows past ``STREAM_ROWS``: activations rounded to bf16, torch's bf16 GEMM accumulating in
-    f32, the result rounded to bf16) beyond the recipe tolerance, f64 ``[..., N]``:
-    ``(2 u + (K + 2) 2^-24) * (|x| @ |W|^T)`` with ``u = 2^-8``: each activation moves by at
-    most ``u |x_j|``, the result by ``u`` of its size (at most ``|x| @ |W|^T``), the f32 sum by
-    ``gamma_K`` of that. Decode rows (the native kernel, f32 activations): zero."""
+def half_rows_error_bound(layout: str, cols: int, x, w):
+    """The allowed ``|kernel - recipe|`` per output of a bf16/f16 matrix's prompt-chunk product
+    (rows past ``STREAM_ROWS``: activations rounded to the format, torch's GEMM in it
+    accumulating in f32, the result rounded to it) beyond the recipe tolerance, f64 ``[..., N]``:
+    ``(2 u + (K + 2) 2^-24) * (|x| @ |W|^T)`` with ``u`` the format's unit roundoff
+    (:data:`HALF_UNITS`): each activation moves by at most ``u |x_j|``, the result by ``u`` of
+    its size (at most ``|x| @ |W|^T``), the f32 sum by ``gamma_K`` of that. Decode rows (the
+    native kernel, f32 activations): zero."""
     import torch
 
     from fuel.kernels.native import STREAM_ROWS
@@ -149,28 +150,32 @@ def bf16_rows_error_bound(cols: int, x, w):
     n = w.shape[0]
     if rows.shape[0] <= STREAM_ROWS:
         return torch.zeros(*lead, n, dtype=torch.float64)
-    weight = w.contiguous().view(torch.uint8).view(torch.bfloat16).reshape(n, cols).double()
-    scale = (2 * BF16_UNIT + (cols + 2) * 2.0 ** -24) * (1 + 2.0 ** -40)
+    half = torch.bfloat16 if layout == "bf16" else torch.float16
+    weight = w.contiguous().view(torch.uint8).view(half).reshape(n, cols).double()
+    scale = (2 * HALF_UNITS[layout] + (cols + 2) * 2.0 ** -24) * (1 + 2.0 ** -40)
     return (scale * (rows.abs() @ weight.abs().T)).reshape(*lead, n)
 
 
-class _Bf16RowsBound:
-    """``SynthesizedKernel.error_bound`` of a bf16 matrix's kernel: :func:`bf16_rows_error_bound`."""
+class _HalfRowsBound:
+    """``SynthesizedKernel.error_bound`` of a bf16/f16 matrix's kernel:
+    :func:`half_rows_error_bound`."""
 
-    def __init__(self, cols: int):
-        self.cols = cols
+    def __init__(self, layout: str, cols: int):
+        self.layout, self.cols = layout, cols
 
     def __call__(self, inputs, reference):
-        return bf16_rows_error_bound(self.cols, inputs[0], inputs[1])
+        return half_rows_error_bound(self.layout, self.cols, inputs[0], inputs[1])
 
 
 class _QuantRunner:
     """``run(x [..., K] f32, w u8 [N, row_bytes])`` through the native library (decode rows with
-    8-bit activations when ``activations="q8"``). A bf16 matrix's prompt chunk (more than
-    ``STREAM_ROWS`` rows) instead runs torch's bf16 GEMM on the matrix as it is held (oneDNN:
-    AMX or AVX-512 BF16 where the CPU has them; measured here 1.3 ms -> 0.28 ms for 48 rows of a
-    3072x576 matrix, 21 -> 4 ms for the 49152-row LM head), activations rounded to bf16 as a bf16
-    model's own reference rounds them; verified against :func:`bf16_rows_error_bound`."""
+    8-bit activations when ``activations="q8"``). A bf16/f16 matrix's prompt chunk (more than
+    ``STREAM_ROWS`` rows) instead runs torch's GEMM in that format on the matrix as it is held
+    (oneDNN: AMX or AVX-512 BF16 where the CPU has them; measured here for 48 rows of a 3072x576
+    matrix, bf16 1.3 -> 0.28 ms, f16 1.2 -> 0.7 ms; the bf16 LM head 21 -> 4 ms), activations
+    rounded to the format as a 16-bit model's own reference rounds them; verified against
+    :func:`half_rows_error_bound`. An f16 chunk whose result overflows (f16 tops out at 65504)
+    is computed again on the f32 path: never an infinity the recipe would not give."""
 
     def __init__(self, lib, layout: str, cols: int, activations: str = "f32"):
         import torch
@@ -181,15 +186,17 @@ class _QuantRunner:
         self._layout = layout
         self._cols = cols
         self._activations = activations
-        self._bf16_rows = layout == "bf16"
+        self._half = {"bf16": torch.bfloat16, "f16": torch.float16}.get(layout)
         self._stream_rows = STREAM_ROWS
         self._torch = torch
 
     def __call__(self, x, w):
-        if self._bf16_rows and x.numel() > self._stream_rows * self._cols:
+        if self._half is not None and x.numel() > self._stream_rows * self._cols:
             torch = self._torch
-            half = w.view(torch.bfloat16).reshape(w.shape[0], self._cols)
-            return torch.nn.functional.linear(x.to(torch.bfloat16), half).float()
+            half = w.view(self._half).reshape(w.shape[0], self._cols)
+            out = torch.nn.functional.linear(x.to(self._half), half).float()
+            if self._half is torch.bfloat16 or bool(torch.isfinite(out).all()):
+                return out
         return self._matmul(self._layout, x, w, self._cols, activations=self._activations)
 
 
@@ -303,16 +310,16 @@ class CpuSynthesizer:
         if q8:
             source += ("\n# decode rows: fuel_matmul_q8, activations rounded to 8 bits per "
                        "32-element block (error bound: fuel.jit.native_synth.q8_error_bound)")
-        if quant.layout == "bf16":
-            source += ("\n# prompt chunks: torch's bf16 GEMM, activations rounded to bf16 "
-                       "(error bound: fuel.jit.native_synth.bf16_rows_error_bound)")
+        if quant.layout in HALF_UNITS:
+            source += (f"\n# prompt chunks: torch's {quant.layout} GEMM, activations rounded to "
+                       f"{quant.layout} (error bound: fuel.jit.native_synth.half_rows_error_bound)")
         # The library takes and returns f32 activations (the weight is packed bytes).
         return self._answer(
             request, (request.inputs[0], request.output), f"{quant.layout}{':q8' if q8 else ''}",
             lambda lib: _QuantRunner(lib, quant.layout, quant.cols, "q8" if q8 else "f32"),
             source, KERNEL_SOURCE_Q8 if q8 else KERNEL_SOURCE,
             _Q8Bound(quant.layout, quant.cols) if q8
-            else _Bf16RowsBound(quant.cols) if quant.layout == "bf16" else None)
+            else _HalfRowsBound(quant.layout, quant.cols) if quant.layout in HALF_UNITS else None)
 
     def _answer(self, request: JitRequest, data, kind: str, make_run, source: str,
                 kernel_source: str = KERNEL_SOURCE, error_bound=None) -> Synthesized | None:
