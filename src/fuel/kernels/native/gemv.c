@@ -55,6 +55,25 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+/* F(fmt, r, ...) with r the constant 1, 2, 3 or 4 equal to R: an always-inline row kernel is
+   specialised for each row count (its loops over the rows unrolled). */
+#define WITH_ROWS(R, F, fmt, ...) do {                                                    \
+        if ((R) == 1) F(fmt, 1, __VA_ARGS__);                                             \
+        else if ((R) == 2) F(fmt, 2, __VA_ARGS__);                                        \
+        else if ((R) == 3) F(fmt, 3, __VA_ARGS__);                                        \
+        else F(fmt, 4, __VA_ARGS__);                                                      \
+    } while (0)
+/* The statements (the macro's last arguments) once per tile of TILE weight rows [n0, n1) of N, the tiles split statically over
+   `threads` threads of torch's OpenMP pool (serial below 64 Ki weights: a region costs more). */
+#define FOR_TILES(N, K, threads, ...) do {                                                 \
+        const int64_t tiles_ = ((N) + TILE - 1) / TILE;                                   \
+        const int parallel_ = (threads) > 1 && (N) * (K) >= 65536;                        \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (parallel_)")  \
+        for (int64_t t_ = 0; t_ < tiles_; t_++) {                                         \
+            const int64_t n0 = t_ * TILE, n1 = n0 + TILE < (N) ? n0 + TILE : (N);         \
+            __VA_ARGS__                                                                   \
+        }                                                                                 \
+    } while (0)
 
 enum { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14,
        Q4_K = 15, Q5_K = 16, Q6_K = 17 };
@@ -557,10 +576,7 @@ INLINE void tile_rows(const int fmt, const float *x, const uint8_t *w, float *ou
             for (int64_t n = n0; n < n1; n++) {
                 const uint8_t *wr = w + n * row_bytes;
                 float *o = out + m * N + n;
-                if (R == 1) dot_kquant_rows(fmt, 1, wr, xr, K, o, N);
-                else if (R == 2) dot_kquant_rows(fmt, 2, wr, xr, K, o, N);
-                else if (R == 3) dot_kquant_rows(fmt, 3, wr, xr, K, o, N);
-                else dot_kquant_rows(fmt, 4, wr, xr, K, o, N);
+                WITH_ROWS(R, dot_kquant_rows, fmt, wr, xr, K, o, N);
             }
             m += R - 1;
 #else
@@ -600,11 +616,7 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
                 xs[m * (K / 32) + b] = s;
             }
     }
-    const int64_t tiles = (N + TILE - 1) / TILE;
-    const int parallel = threads > 1 && N * K >= 65536;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+    FOR_TILES(N, K, threads, {
         switch (fmt) {
         case F32: tile_rows(F32, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
         case F16: tile_rows(F16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
@@ -618,7 +630,7 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
         case Q6_K: tile_rows(Q6_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
         default: tile_rows(Q8_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
         }
-    }
+    });
     free(xs);
     return 0;
 }
@@ -1038,10 +1050,7 @@ INLINE void q8_tile(const int fmt, const uint8_t *w, float *out, const Q8Rows *a
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *wr = w + n * row_bytes;
             float *o = out + m * N + n;
-            if (R == 1) q8_dot_rows(fmt, 1, wr, a, m, o, N);
-            else if (R == 2) q8_dot_rows(fmt, 2, wr, a, m, o, N);
-            else if (R == 3) q8_dot_rows(fmt, 3, wr, a, m, o, N);
-            else q8_dot_rows(fmt, 4, wr, a, m, o, N);
+            WITH_ROWS(R, q8_dot_rows, fmt, wr, a, m, o, N);
         }
     }
 #else
@@ -1058,11 +1067,7 @@ int fuel_matmul_q8(int fmt, const float *x, const uint8_t *w, float *out, int64_
     if (K % 32 || K <= 0) return -1;
     Q8Rows a;
     if (q8_prepare(fmt, x, M, K, &a)) return -1;
-    const int64_t tiles = (N + TILE - 1) / TILE;
-    const int parallel = threads > 1 && N * K >= 65536;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+    FOR_TILES(N, K, threads, {
         switch (fmt) {
         case Q4_0: q8_tile(Q4_0, w, out, &a, M, N, row_bytes, n0, n1); break;
         case Q4_1: q8_tile(Q4_1, w, out, &a, M, N, row_bytes, n0, n1); break;
@@ -1070,7 +1075,7 @@ int fuel_matmul_q8(int fmt, const float *x, const uint8_t *w, float *out, int64_
         case Q5_1: q8_tile(Q5_1, w, out, &a, M, N, row_bytes, n0, n1); break;
         default: q8_tile(Q8_0, w, out, &a, M, N, row_bytes, n0, n1); break;
         }
-    }
+    });
     free(a.mem);
     return 0;
 }
