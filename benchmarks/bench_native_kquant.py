@@ -21,9 +21,8 @@ block formats (``matmul(..., activations="q8")``, what ``CpuSynthesizer`` adopts
 against the f32-activation kernel it replaces, on ``--threads`` threads (default 2, fuel's pool
 on this machine), M=1, at SmolLM2-135M's shapes (1536x576 and 576x1536 MLP, 49152x576 LM head):
 
-- ``f32 act`` / ``q8 act``: µs per product (the best of ``--repeats`` samples: on a shared
-  machine an interrupted parallel region costs milliseconds, see ``best_us``), the speedup,
-  and GB/s of packed weight read by the q8 kernel;
+- ``f32 act`` / ``q8 act``: µs per product (the median of ``--repeats`` samples, fuel's
+  profiler), the speedup, and GB/s of packed weight read by the q8 kernel;
 - ``max err``: the q8 kernel's largest absolute difference from the recipe (x @ dequantize(W).T
   in f32), ``rel``: that over the largest |output|, ``bound``: the largest allowance of its stated bound
   (``native_synth.q8_error_bound``), and whether every output is within bound + tolerance.
@@ -51,55 +50,59 @@ Q8_SHAPES = ((1536, 576), (576, 1536), (49152, 576))
 Q8_LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
 
-def best_us(call, repeats: int, sample_s: float = 0.003) -> float:
-    """The fastest per-call time of ``repeats`` samples (each a batch of calls spanning about
-    ``sample_s``): on a machine shared with other work, a sample the scheduler interrupted (a
-    parallel region waits for its slowest thread) costs milliseconds, so the best sample is the
-    kernel's own time and the median is the neighbours'."""
-    import time
-
-    for _ in range(3):
-        call()
-    start = time.perf_counter()
-    call()
-    calls = max(1, int(sample_s / max(time.perf_counter() - start, 1e-7)))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
-
-
-def q8_table(repeats: int, threads: int) -> int:
+def _library(threads: int):
+    """The native kernels with torch's pool at ``threads``, or None (the reason printed)."""
     import torch
 
-    from fuel.graph.dtype import DType
-    from fuel.jit.adopt import verify
-    from fuel.jit.native_synth import q8_error_bound
-    from fuel.kernels import RECIPE_TOLERANCE, native
-    from fuel.kernels.quant_blocks import dequantize, random_blocks
+    from fuel.kernels import native
 
     torch.set_num_threads(threads)
     lib = native.load()
     if isinstance(lib, native.Unavailable):
         print(f"native kernels unavailable: {lib.reason}")
+        return None
+    return lib
+
+
+def _case(layout: str, n: int, k: int):
+    """Valid random ``[n, k]`` weight blocks, one activation row, and the recipe's product."""
+    import torch
+
+    from fuel.kernels.quant_blocks import dequantize, random_blocks
+
+    w = random_blocks(layout, n, k, torch.Generator().manual_seed(0))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
+    dense = dequantize(w, layout, k)
+    return w, x, dense, x @ dense.T
+
+
+def median_us(call, repeats: int) -> float:
+    from fuel.cost.profile import profile_kernel
+
+    return profile_kernel(call, warmup=2, repeats=repeats).median_ns / 1e3
+
+
+def q8_table(repeats: int, threads: int) -> int:
+    from fuel.graph.dtype import DType
+    from fuel.jit.adopt import verify
+    from fuel.jit.native_synth import q8_error_bound
+    from fuel.kernels import RECIPE_TOLERANCE
+
+    lib = _library(threads)
+    if lib is None:
         return 1
-    print(f"\n{threads} thread(s), M=1, 8-bit vs f32 activations; best of {repeats} samples\n")
+    print(f"\n{threads} thread(s), M=1, 8-bit vs f32 activations; median of {repeats} samples\n")
     print(f"{'format':<6} {'N x K':<11} {'packed':>8} {'f32 act':>9} {'q8 act':>9} {'speedup':>8} "
           f"{'GB/s':>6} {'max err':>9} {'rel':>8} {'bound':>9}")
     for layout in Q8_LAYOUTS:
         for n, k in Q8_SHAPES:
-            w = random_blocks(layout, n, k, torch.Generator().manual_seed(0))
-            x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
-            want = x @ dequantize(w, layout, k).T
+            w, x, _, want = _case(layout, n, k)
             got = lib.matmul(layout, x, w, k, threads=threads, activations="q8")
             bound = q8_error_bound(layout, k, x, w)
             check = verify(got, want, RECIPE_TOLERANCE[DType.F32], bound)
-            f32_us = best_us(lambda: lib.matmul(layout, x, w, k, threads=threads), repeats)
-            q8_us = best_us(lambda: lib.matmul(layout, x, w, k, threads=threads,
-                                               activations="q8"), repeats)
+            f32_us = median_us(lambda: lib.matmul(layout, x, w, k, threads=threads), repeats)
+            q8_us = median_us(lambda: lib.matmul(layout, x, w, k, threads=threads,
+                                                 activations="q8"), repeats)
             print(f"{layout:<6} {f'{n}x{k}':<11} {w.numel() / 2**20:>6.2f}Mi {f32_us:>7.1f}us "
                   f"{q8_us:>7.1f}us {f32_us / q8_us:>7.2f}x {w.numel() / q8_us / 1e3:>6.1f} "
                   f"{check.max_abs_error:>9.2e} {check.max_abs_error / float(want.abs().max()):>8.1e} "
@@ -122,33 +125,22 @@ def main() -> int:
 
 
 def kquant_table(repeats: int) -> int:
-
     import torch
 
-    from fuel.cost.profile import profile_kernel
     from fuel.graph.dtype import DType
     from fuel.jit.adopt import verify
     from fuel.kernels import RECIPE_TOLERANCE, native
-    from fuel.kernels.quant_blocks import dequantize, random_blocks
+    from fuel.kernels.quant_blocks import dequantize
 
-    torch.set_num_threads(1)
-    lib = native.load()
-    if isinstance(lib, native.Unavailable):
-        print(f"native kernels unavailable: {lib.reason}")
+    lib = _library(1)
+    if lib is None:
         return 1
-
-    def median_us(call, repeats: int) -> float:
-        return profile_kernel(call, warmup=2, repeats=repeats).median_ns / 1e3
-
     print(f"one thread, M=1; median of {repeats} samples\n")
     print(f"{'format':<6} {'N x K':<11} {'packed':>8} {'kernel':>9} {'GB/s':>6} {'recipe':>10} "
           f"{'speedup':>8} {'deq+mm':>9} {'f32 mm':>8} {'M=4':>8}  max err")
     for layout in LAYOUTS:
         for n, k in SHAPES:
-            w = random_blocks(layout, n, k, torch.Generator().manual_seed(0))
-            x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
-            dense = dequantize(w, layout, k)
-            want = x @ dense.T
+            w, x, dense, want = _case(layout, n, k)
             got = lib.matmul(layout, x, w, k, threads=1)
             check = verify(got, want, RECIPE_TOLERANCE[DType.F32])
             packed = w.numel()
