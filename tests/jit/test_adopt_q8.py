@@ -131,3 +131,25 @@ def test_a_bound_that_is_not_a_bound_rejects_its_kernel(lib, bad):
     record = _adopt(synth, quant_request(layout, 1, 40, cols))
     assert not record.adopted and synth.rejected
     assert record.outcome is (Outcome.NOT_VERIFIABLE if bad == "raises" else Outcome.WRONG)
+
+
+def test_an_adopted_rounding_kernel_is_bound_as_stated_bound_precision_not_recipe_tolerance(
+        lib, tmp_path):
+    """The table says what the kernel guarantees: a kernel verified within its own bound is
+    weaker than one within the recipe tolerance, and a bake that requires the latter refuses it."""
+    from fuel.kernels import Precision
+    from fuel.optimize.variant_bake import meets
+
+    table, registry = cpu_table(), RuntimeFusedRegistry()
+    q8 = adopt(CpuSynthesizer(cache_dir=tmp_path), quant_request("q4_1", 1, 70, 576), BackendId.CPU,
+               table=table, registry=registry, profile_repeats=3)
+    exact = adopt(CpuSynthesizer(cache_dir=tmp_path), quant_request("q4_k", 1, 70, 256),
+                  BackendId.CPU, table=table, registry=registry, profile_repeats=3)
+    precisions = {}
+    for name, record in (("q8", q8), ("f32", exact)):
+        assert record.outcome is Outcome.ADOPTED, record.reason
+        dtypes = (DType.F32, DType.U8, DType.F32)
+        precisions[name] = table.find(record.runtime_id, dtypes, BackendId.CPU).precision
+    assert precisions == {"q8": Precision.STATED_BOUND, "f32": Precision.RECIPE_TOLERANCE}
+    assert not meets(Precision.STATED_BOUND, Precision.RECIPE_TOLERANCE)
+    assert meets(Precision.STATED_BOUND, None)

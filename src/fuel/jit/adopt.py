@@ -214,7 +214,8 @@ def _bind(table: KernelBindingTable, runtime_id: int, request: JitRequest, backe
 
     table.bind(runtime_id, dtypes, backend, KernelEntry(
         lambda node: run, frozenset({"gqa", "softcap"}) if match_paged(request.region) else
-        frozenset(), Precision.RECIPE_TOLERANCE, cost, kernel.kernel_source))
+        frozenset(), Precision.RECIPE_TOLERANCE if kernel.error_bound is None
+        else Precision.STATED_BOUND, cost, kernel.kernel_source))
 
 
 def rebind(synth: Synthesizer, request: JitRequest, name: str, backend: BackendId, *,

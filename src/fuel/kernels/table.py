@@ -51,6 +51,11 @@ class Precision(Enum):
     """Bit-identical: data movement, integer arithmetic, or the very same float operations."""
     RECIPE_TOLERANCE = "recipe_tolerance"
     """Equal to the recipe's decomposition within :data:`RECIPE_TOLERANCE` for the dtype."""
+    STATED_BOUND = "stated_bound"
+    """Rounds on purpose (8-bit or half-precision activations): equal to the recipe within the
+    recipe tolerance plus the error bound the kernel states (``SynthesizedKernel.error_bound``),
+    which adoption verified. Weaker than :attr:`RECIPE_TOLERANCE`: a bake that requires that
+    does not pick it."""
 
 
 RECIPE_TOLERANCE: dict[DType, tuple[float, float]] = {

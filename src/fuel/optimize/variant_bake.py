@@ -108,7 +108,7 @@ class BakeOutcome:
     decisions: tuple[Decision, ...]
 
 
-_STRENGTH = {Precision.EXACT: 1, Precision.RECIPE_TOLERANCE: 0}
+_STRENGTH = {Precision.EXACT: 1, Precision.RECIPE_TOLERANCE: 0, Precision.STATED_BOUND: -1}
 
 
 def _weaker(a: Precision | None, b: Precision | None) -> Precision | None:
