@@ -86,21 +86,30 @@ def _physical_memory_bytes() -> int:
         return 0
 
 
-def _l2_bytes_per_core() -> int | None:
-    """The level-2 cache size of CPU 0 as Linux reports it (sysfs), or None when unknown."""
+def _os_caches() -> list[tuple[int, str, int]] | None:
+    """``(level, type, bytes)`` of each cache of CPU 0 as Linux reports it (sysfs), or None."""
     root = Path("/sys/devices/system/cpu/cpu0/cache")
+    caches = []
     try:
         for index in sorted(root.glob("index*")):
-            if (index / "level").read_text().strip() != "2":
-                continue
-            if (index / "type").read_text().strip() not in ("Unified", "Data"):
-                continue
             text = (index / "size").read_text().strip().upper()
             scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
-            return int(text.rstrip("KMG")) * scale
+            caches.append((int((index / "level").read_text().strip()),
+                           (index / "type").read_text().strip(), int(text.rstrip("KMG")) * scale))
     except (OSError, ValueError):
         return None
-    return None
+    return caches
+
+
+def _l2_bytes_per_core() -> int | None:
+    """The level-2 cache size of CPU 0 as Linux reports it (sysfs), or None when unknown."""
+    return next((size for level, kind, size in _os_caches() or ()
+                 if level == 2 and kind in ("Unified", "Data")), None)
+
+
+def _llc_bytes() -> int | None:
+    """The largest cache the OS reports for CPU 0 (sysfs), or None."""
+    return max((size for _, _, size in _os_caches() or ()), default=None)
 
 
 def cache_tier(
@@ -158,20 +167,6 @@ def _measure_cache_tier(torch, threads: int, dram_bytes_per_s: float) -> tuple[i
         f"sets {samples[0][0]} and {samples[1][0]} B; tier = largest working set within "
         f"{_CACHE_SLOWDOWN:g}x of that rate (copies {sweep})"
     )
-
-
-def _llc_bytes() -> int | None:
-    """The largest cache the OS reports for CPU 0 (sysfs), or None."""
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
-    sizes = []
-    try:
-        for index in root.glob("index*"):
-            text = (index / "size").read_text().strip().upper()
-            scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-    except (OSError, ValueError):
-        return None
-    return max(sizes, default=None)
 
 
 def _stream_slices(torch) -> tuple[list, int]:
