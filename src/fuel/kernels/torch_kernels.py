@@ -17,9 +17,8 @@ for nothing — so they bind the plain kernel (:data:`U32_NATIVE`).
 
 from __future__ import annotations
 
-import math
-
 import itertools
+import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
