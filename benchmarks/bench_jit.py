@@ -1,4 +1,4 @@
-"""Adopted CPU (numba) kernels vs the decomposed regions they replace, at decode shapes.
+"""Adopted CPU kernels vs the decomposed regions they replace, at decode shapes.
 
 Run: ``.venv/bin/python benchmarks/bench_jit.py [--context 1024] [--dtype f32]``
 
@@ -6,9 +6,11 @@ For each model (dims read from the zoo configs: ``src/fuel/data/zoo/<model>.json
 decode-step fused nodes the CPU has no kernel for — residual_add_rms_norm over ``[1, hidden]``
 and paged attention for one sequence (one query row, ``context`` cached tokens, block size 16;
 see ``fuel.jit.decode_step``) —
-asks the carrier for each request, and runs adoption, which verifies the numba kernel against
-the decomposition and profiles both on the same inputs in the same run (median of repeated
-samples, ``fuel.cost.profile_kernel``). The speedup is decomposed / kernel; the target is >= 2x.
+asks the CPU synthesizer a run uses (``CpuSynthesizer``: the native library's kernel, numba's
+where it has none; ``--numba`` for numba's alone) for each request, and runs adoption, which
+verifies the kernel against the decomposition and profiles both on the same inputs in the same
+run (median of repeated samples, ``fuel.cost.profile_kernel``). The speedup is decomposed /
+kernel; the target is >= 2x.
 
 Then, per llama.cpp block layout with a numba template (``fuel.jit.quant_gemv``), the
 quantized matmul (``quant_linear``) at SmolLM2's decode shapes (one activation row; q/o 576x576,
@@ -45,11 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quant-only", action="store_true")
+    parser.add_argument("--numba", action="store_true", help="numba's kernels, not what a run adopts")
     args = parser.parse_args(argv)
     if args.quant_only:
         return quant_main(args.repeats)
     dtype = DType(args.dtype)
-    synth = NumbaSynthesizer()
+    from fuel.jit.native_synth import CpuSynthesizer
+
+    synth = NumbaSynthesizer() if args.numba else CpuSynthesizer()
     print(f"{'model':<14} {'region':<22} {'first inputs':<34} {'kernel':>10} {'decomposed':>11} "
           f"{'speedup':>8}  verdict")
     below = 0

@@ -1229,6 +1229,8 @@ int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void
                     for (int64_t g = 0; g < group; g++) {
                         const float *query = q + ((b * Hq + kv * group + g) * L + i) * D;
                         float dot = 0.0f;
+                        /* vectorised (a reordered f32 sum, within the JIT's tolerance) */
+                        #pragma omp simd reduction(+:dot)
                         for (int64_t d = 0; d < D; d++) dot += query[d] * key[d];
                         float s = dot * scale;
                         if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
@@ -1238,6 +1240,7 @@ int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void
                 for (int64_t g = 0; g < group; g++) {
                     float *row = scores + g * capacity, top = -INFINITY, total = 0.0f;
                     for (int64_t t = 0; t < visible; t++) if (row[t] > top) top = row[t];
+                    #pragma omp simd reduction(+:total)
                     for (int64_t t = 0; t < visible; t++) { row[t] = expf(row[t] - top); total += row[t]; }
                     const float inv = 1.0f / total;
                     for (int64_t t = 0; t < visible; t++) row[t] *= inv;
