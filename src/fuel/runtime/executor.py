@@ -88,10 +88,10 @@ class Program:
     """
 
     __slots__ = ("roots", "executed", "executed_nodes", "source", "device", "_run", "_kernels",
-                 "_constants", "_feeds", "_timed_source", "_timed_run", "merged")
+                 "_constants", "_feeds", "_timed_source", "_timed_run", "merged", "native")
 
     def __init__(self, roots, executed, source, run, kernels, constants, feeds, device,
-                 timed_source="", merged=0):
+                 timed_source="", merged=0, native=None):
         self.roots: tuple[NodeId, ...] = roots
         self.executed: tuple[NodeId, ...] = executed
         self.executed_nodes = 0
@@ -106,6 +106,16 @@ class Program:
         self.merged: int = merged
         """Nodes not run because an earlier node computes the same value (same op, same
         inputs): e.g. the block-table index arithmetic every layer's attention repeats."""
+        self.native = native
+        """The program laid out as one native call (``fuel.runtime.native_steps.NativeSteps``),
+        or why not (``Declined``), or None (not a CPU program)."""
+
+    @property
+    def host_calls(self) -> int:
+        """Calls a plain run makes from Python: one for a step list, else one per step."""
+        from fuel.runtime.native_steps import NativeSteps
+
+        return 1 if isinstance(self.native, NativeSteps) else len(self.executed)
 
     def _fed(self, feeds: Mapping[str, Any]) -> list[Any]:
         fed = []
@@ -123,7 +133,11 @@ class Program:
         """Run every step; returns ``{root id: tensor}``."""
         fed = self._fed(feeds)
         self.executed_nodes = 0
-        results = self._run(self._kernels, self._constants, fed)
+        results = None
+        if self.native is not None and hasattr(self.native, "run"):
+            results = self.native.run(fed)
+        if results is None:
+            results = self._run(self._kernels, self._constants, fed)
         self.executed_nodes = len(self.executed)
         return dict(zip(self.roots, results))
 
@@ -193,9 +207,11 @@ def compile_program(graph: Graph, lowered: Lowered, table: KernelBindingTable,
     device = device or Device(backend)
     torch_device = torch.device(str(device))
     leaves: dict[NodeId, str] = {}
+    leaf_slots: dict[NodeId, tuple[str, int]] = {}  # the same, as (kind, index): the step list's
     constants: list[Any] = []
     feeds: list[_Feed] = []
     kernels: list[Any] = []
+    entries: list[Any] = []
     steps: list[tuple[NodeId, tuple[NodeId, ...]]] = []
     unmergeable = _unmergeable(graph, lowered)
     same: dict[NodeId, NodeId] = {}  # a node computed again → the node already computing it
@@ -222,17 +238,20 @@ def compile_program(graph: Graph, lowered: Lowered, table: KernelBindingTable,
                 continue
         if isinstance(op, Input):
             leaves[node_id] = f"fed[{len(feeds)}]"
+            leaf_slots[node_id] = ("fed", len(feeds))
             feeds.append(_Feed(op.name, node_id, torch_dtype(node.dtype), node.shape.dims,
                                f"{node.dtype.value}{node.shape}"))
         elif isinstance(op, Weight):
             if op.name not in weights:
                 raise MissingWeight(op.name, node_id)
             leaves[node_id] = f"constants[{len(constants)}]"
+            leaf_slots[node_id] = ("constant", len(constants))
             constants.append(weights[op.name].to(torch_device))
         elif isinstance(op, Const):
             if not node.shape.is_concrete:
                 raise NotExecutable(node_id, f"{op} of symbolic shape {node.shape}")
             leaves[node_id] = f"constants[{len(constants)}]"
+            leaf_slots[node_id] = ("constant", len(constants))
             constants.append(torch.full(node.shape.dims, op.value, dtype=torch_dtype(node.dtype),
                                         device=torch_device))
         elif isinstance(op, Prim | Fused):
@@ -242,17 +261,25 @@ def compile_program(graph: Graph, lowered: Lowered, table: KernelBindingTable,
             node_backend = graph.target_backend.get(node_id, backend)
             entry = table.lookup(op_key(op), dtypes, node_backend, required_caps(node))
             kernels.append(entry.kernel(node))
+            entries.append(entry)
             steps.append((node_id, reads))
         else:
             raise NotExecutable(node_id, str(op))
     roots = tuple(same.get(r, r) for r in lowered.roots)
-    steps, kernels = _drop_unread_concats(graph, steps, kernels, roots)
+    steps, kernels, entries = _drop_unread_concats(graph, steps, kernels, entries, roots)
     source = _generate(leaves, steps, roots)
     namespace: dict[str, Any] = {}
     exec(compile(source, "<fuel program>", "exec"), namespace)  # noqa: S102 — our own source
+    native = None
+    if torch_device.type == "cpu" and all(
+            graph.target_backend.get(n, backend) is BackendId.CPU for n, _ in steps):
+        from fuel.runtime import native_steps
+
+        native = native_steps.plan(graph, steps, kernels, entries, leaf_slots, feeds, constants,
+                                   roots)
     return Program(lowered.roots, tuple(n for n, _ in steps), source, namespace["run"],
                    tuple(kernels), tuple(constants), tuple(feeds), torch_device,
-                   _generate(leaves, steps, roots, timed=True), len(same))
+                   _generate(leaves, steps, roots, timed=True), len(same), native)
 
 
 def _sliced_part(graph: Graph, node_id: NodeId, lowered: Lowered, same: dict[NodeId, NodeId],
@@ -283,7 +310,7 @@ def _sliced_part(graph: Graph, node_id: NodeId, lowered: Lowered, same: dict[Nod
     return None
 
 
-def _drop_unread_concats(graph: Graph, steps, kernels, roots):
+def _drop_unread_concats(graph: Graph, steps, kernels, entries, roots):
     """Steps and kernels without the ``concat`` steps no later step reads (their slices read the
     parts: :func:`_sliced_part`). Only concatenations: they have no effect but their value."""
     read = set(roots)
@@ -292,7 +319,7 @@ def _drop_unread_concats(graph: Graph, steps, kernels, roots):
     keep = [index for index, (node_id, _) in enumerate(steps)
             if node_id in read or not (isinstance(graph.node(node_id).op, Prim)
                                        and graph.node(node_id).op.kind is OpKind.CONCAT)]
-    return [steps[i] for i in keep], [kernels[i] for i in keep]
+    return [steps[i] for i in keep], [kernels[i] for i in keep], [entries[i] for i in keep]
 
 
 def _unmergeable(graph: Graph, lowered: Lowered) -> set[NodeId]:

@@ -51,8 +51,9 @@ from pathlib import Path
 from typing import Any
 
 SOURCE = Path(__file__).with_name("gemv.c")
-SOURCES = (SOURCE, Path(__file__).with_name("rows.c"))
-"""The C files built into the one library: matmuls, rope, attention (gemv.c); row-wise norms."""
+SOURCES = (SOURCE, Path(__file__).with_name("rows.c"), Path(__file__).with_name("steps.c"))
+"""The C files built into the one library: matmuls, rope, attention (gemv.c); row-wise norms
+(rows.c); the step list that runs a compiled program in one call (steps.c)."""
 
 FORMAT_CODES: dict[str, int] = {
     "f32": 0, "f16": 1, "bf16": 2,
@@ -119,6 +120,9 @@ class NativeKernels:
         lib.fuel_quantize_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_void_p, ctypes.c_void_p]
         lib.fuel_quantize_q8.restype = ctypes.c_int
+        lib.fuel_run_steps.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_int]
+        lib.fuel_run_steps.restype = ctypes.c_int
         lib.fuel_pool_threads.argtypes = [ctypes.c_int]
         lib.fuel_pool_threads.restype = ctypes.c_int
         self._call = lib.fuel_matmul
@@ -394,7 +398,7 @@ def _build_and_load() -> NativeKernels | Unavailable:
 
 
 UNITS: tuple[tuple[Path, tuple[str, ...]], ...] = (
-    (SOURCE, ("-DFUEL_PART=1",)), (SOURCE, ("-DFUEL_PART=2",)), (SOURCES[1], ()))
+    (SOURCE, ("-DFUEL_PART=1",)), (SOURCE, ("-DFUEL_PART=2",)), (SOURCES[1], ()), (SOURCES[2], ()))
 """The translation units of one build, compiled side by side (gemv.c in its two halves: the f32-
 and the 8-bit-activation kernels, ~3 s each at -O3 here against ~6 s whole), then linked."""
 

@@ -1,0 +1,138 @@
+/* fuel's native step list: a compiled program's steps run in one call (fuel.runtime.native_steps).
+
+   A decode step of a small model is hundreds of short kernels; dispatched one by one from
+   Python, the dispatch (argument checks, output allocation, the ctypes call) cost more than
+   the kernels. Here the program is laid out once: every value has a fixed address (an arena
+   the Python side allocates, the weights, the fed tensors), every view is an offset, and each
+   step is a record naming a kernel of this library and its operands. fuel_run_steps walks the
+   records: the kernels are the very functions the one-call-per-node path calls (gemv.c,
+   rows.c), plus the few element-wise ones below, so the arithmetic is the same.
+
+   An operand is (slot, byte offset): `table[slot] + offset`. Slots are the fed tensors (their
+   addresses change per run, the caller fills them), the weights and constants, and the arena.
+   Returns 0, or 1 + the index of the first step that refused its operands (a KV slot or a
+   block outside the cache, an index outside a gather's source): the steps before it ran; the
+   caller runs the program again step by step, which raises the precise error. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum {
+    STEP_MATMUL = 1, STEP_MATMUL_Q8 = 2, STEP_DEQUANTIZE = 3, STEP_ROPE = 4, STEP_ARGMAX = 5,
+    STEP_KV_WRITE = 6, STEP_PAGED_ATTN = 7, STEP_RESIDUAL_RMS_NORM = 8, STEP_RMS_NORM = 9,
+    STEP_SILU_MUL = 10, STEP_ADD = 11, STEP_GATHER = 12,
+};
+
+typedef struct {
+    int64_t kind;
+    int64_t slot[6];
+    int64_t offset[6];
+    int64_t n[10];
+    float f[2];
+} fuel_step;
+
+int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
+                int64_t K, int64_t row_bytes, int threads);
+int fuel_matmul_q8(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
+                   int64_t K, int64_t row_bytes, int threads);
+int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K, int64_t row_bytes,
+                    int threads);
+void fuel_rope(const float *x, int64_t xr, int64_t xh, const float *cos_, const float *sin_,
+               float *out, int64_t R, int64_t H, int64_t D);
+void fuel_argmax(const float *x, int64_t R, int64_t V, int64_t *out);
+int fuel_kv_write(float *cache, int64_t slot_count, int64_t row_elems, const float *rows,
+                  const int64_t *slots, int64_t n);
+int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void *table,
+                    const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
+                    int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
+                    float scale, float softcap);
+void fuel_residual_rms_norm(const float *x, const float *residual, const float *gain, float *out,
+                            int64_t R, int64_t H, float eps);
+
+/* rms_norm of R rows of H: x * rsqrt(mean(x*x) + eps) (* gain when given), f32 sums. */
+void fuel_rms_norm(const float *x, const float *gain, float *out, int64_t R, int64_t H, float eps) {
+    for (int64_t i = 0; i < R; i++) {
+        const float *xi = x + i * H;
+        float *o = out + i * H, squares = 0.0f;
+        #pragma omp simd reduction(+:squares)
+        for (int64_t j = 0; j < H; j++) squares += xi[j] * xi[j];
+        const float scale = 1.0f / sqrtf(squares / (float)H + eps);
+        if (gain) for (int64_t j = 0; j < H; j++) o[j] = xi[j] * scale * gain[j];
+        else for (int64_t j = 0; j < H; j++) o[j] = xi[j] * scale;
+    }
+}
+
+/* silu(gate) * up, n elements: gate / (1 + exp(-gate)) * up. */
+void fuel_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+static inline int64_t index_at(const void *p, int64_t i, int64_t bytes) {
+    /* 8: int64, 4: int32, -4: uint32 */
+    return bytes == 8 ? ((const int64_t *)p)[i] : bytes == 4 ? (int64_t)((const int32_t *)p)[i]
+                                                             : (int64_t)((const uint32_t *)p)[i];
+}
+
+#define P(k) ((void *)((char *)table[s->slot[k]] + s->offset[k]))
+
+int fuel_run_steps(const fuel_step *steps, int64_t count, void *const *table, int threads) {
+    for (int64_t i = 0; i < count; i++) {
+        const fuel_step *s = steps + i;
+        const int64_t *n = s->n;
+        int status = 0;
+        switch (s->kind) {
+        case STEP_MATMUL:
+            status = fuel_matmul((int)n[0], P(0), P(1), P(2), n[1], n[2], n[3], n[4], threads);
+            break;
+        case STEP_MATMUL_Q8:
+            status = fuel_matmul_q8((int)n[0], P(0), P(1), P(2), n[1], n[2], n[3], n[4], threads);
+            break;
+        case STEP_DEQUANTIZE:
+            status = fuel_dequantize((int)n[0], P(0), P(1), n[1], n[2], n[3], 1);
+            break;
+        case STEP_ROPE:
+            fuel_rope(P(0), n[1] * n[2], n[2], P(1), P(2), P(3), n[0], n[1], n[2]);
+            break;
+        case STEP_ARGMAX:
+            fuel_argmax(P(0), n[0], n[1], P(1));
+            break;
+        case STEP_KV_WRITE:
+            status = fuel_kv_write(P(0), n[0], n[1], P(1), P(2), n[2]);
+            break;
+        case STEP_PAGED_ATTN:
+            status = fuel_paged_attn(P(0), P(1), P(2), P(3), P(4), P(5), n[0], n[1], n[2], n[3],
+                                     n[4], n[5], n[6], n[7], (int)n[8], s->f[0], s->f[1]);
+            break;
+        case STEP_RESIDUAL_RMS_NORM:
+            fuel_residual_rms_norm(P(0), P(1), P(2), P(3), n[0], n[1], s->f[0]);
+            break;
+        case STEP_RMS_NORM:
+            fuel_rms_norm(P(0), s->slot[1] < 0 ? NULL : P(1), P(2), n[0], n[1], s->f[0]);
+            break;
+        case STEP_SILU_MUL:
+            fuel_silu_mul(P(0), P(1), P(2), n[0]);
+            break;
+        case STEP_ADD: {
+            const float *a = P(0), *b = P(1);
+            float *o = P(2);
+            for (int64_t j = 0; j < n[0]; j++) o[j] = a[j] + b[j];
+            break;
+        }
+        case STEP_GATHER: {  /* rows of n[1] bytes, n[0] indices into n[2] source rows */
+            const char *src = P(0);
+            const void *index = P(1);
+            char *out = P(2);
+            for (int64_t j = 0; j < n[0]; j++) {
+                const int64_t row = index_at(index, j, n[3]);
+                if (row < 0 || row >= n[2]) return (int)(i + 1);
+                memcpy(out + j * n[1], src + row * n[1], (size_t)n[1]);
+            }
+            break;
+        }
+        default:
+            status = -1;
+        }
+        if (status != 0) return (int)(i + 1);
+    }
+    return 0;
+}

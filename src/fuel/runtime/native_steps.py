@@ -1,0 +1,389 @@
+"""Native step lists: a CPU program's steps run in one call of the native library.
+
+Decides how a compiled program is dispatched when every one of its steps is a kernel the native
+library has: as one call of ``fuel_run_steps`` (``kernels/native/steps.c``) instead of one
+Python call per node. A decode step of SmolLM2 is ~790 nodes; each Python call (argument
+checks, an output allocation, the ctypes transition) cost more than the kernel it ran, so the
+step's dispatch, not its arithmetic, was most of its time.
+
+How: the program is laid out once, when it is compiled. Every value gets a fixed address: the
+fed tensors (their addresses are written into a pointer table at each run), the weights and
+constants, and one arena holding every value a step computes. A view (reshape, unsqueeze, a
+select or slice along a leading dimension, a permute or transpose that only moves size-1
+dimensions) is an offset into its operand: it costs nothing and runs nothing. Every other step
+is a record naming a native kernel and its operands' addresses.
+
+Invariants:
+- The kernels are the ones the one-call-per-node path runs for the same node (the native
+  matmuls, 8-bit-activation matmuls, paged attention, ``residual_add_rms_norm``, rope, argmax,
+  the KV write and the dequantizer), with the same arguments, so their results are the same;
+  ``rms_norm``, ``silu_mul``, ``add`` and the row gather (``index_select``) are short loops in
+  ``steps.c`` with the ops' own definitions (tests compare every one with the torch kernel).
+- A program is laid out only when *every* step is: one node without a native step (another
+  op, a dtype, a layout that is not contiguous, a prompt chunk's GEMM) and the program keeps
+  its per-node path, the reason kept in :attr:`Declined` for the run report.
+- A run returns fresh tensors (the roots are copied out of the arena), so a caller holding the
+  logits of one step never sees the next step's. A run that finds a fed tensor not contiguous,
+  the program already running on another thread, or a step refusing its operands (a KV slot or
+  block outside the cache) returns None: the caller runs the per-node path, which raises the
+  precise error or computes the same values.
+- ``FUEL_NATIVE_STEPS=0`` turns step lists off (every program runs node by node).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from fuel.graph.ir import Fused, Graph, NodeId, Prim
+from fuel.graph.ops import OpKind
+from fuel.graph.registry import FusedOps
+
+ENV = "FUEL_NATIVE_STEPS"
+
+_MATMUL, _MATMUL_Q8, _DEQUANTIZE, _ROPE, _ARGMAX, _KV_WRITE, _PAGED, _RESIDUAL_NORM = 1, 2, 3, 4, 5, 6, 7, 8
+_RMS_NORM, _SILU_MUL, _ADD, _GATHER = 9, 10, 11, 12
+_ALIGN = 64
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("slot", ctypes.c_int64 * 6),
+                ("offset", ctypes.c_int64 * 6), ("n", ctypes.c_int64 * 10),
+                ("f", ctypes.c_float * 2)]
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """Why a program runs node by node (no step list): the node and what it lacks."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    """Where a value lives: ``table[slot] + offset`` bytes, contiguous, of ``shape``/``dtype``."""
+
+    slot: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class _Unsupported(Exception):
+    """A node the step list cannot lay out (internal: becomes :class:`Declined`)."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+class NativeSteps:
+    """A program laid out for ``fuel_run_steps``: :meth:`run` with the fed tensors."""
+
+    def __init__(self, lib, records, table, feed_slots, roots, keep, kernels: int):
+        import torch
+
+        self._call = lib._lib.fuel_run_steps
+        self._records = records
+        self._table = table
+        self._feed_slots = feed_slots
+        self._roots = roots  # (arena view, None) or (None, feed index)
+        self._keep = keep  # the arena, weights and constants the table points into
+        self._lock = threading.Lock()
+        self._threads = torch.get_num_threads
+        self.kernels = kernels
+        """Native kernels one run makes (views cost nothing and are not counted)."""
+
+    def run(self, fed: list[Any]) -> tuple[Any, ...] | None:
+        """The roots' values, or None where the per-node path must run instead (module docs)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            table = self._table
+            for slot, tensor in zip(self._feed_slots, fed):
+                if not tensor.is_contiguous():
+                    return None
+                table[slot] = tensor.data_ptr()
+            if self._call(self._records, len(self._records), table, self._threads()) != 0:
+                return None
+            return tuple(view.clone() if view is not None else fed[index]
+                         for view, index in self._roots)
+        finally:
+            self._lock.release()
+
+
+def plan(graph: Graph, steps, kernels, entries, leaves: dict[NodeId, tuple[str, int]],
+         feeds, constants, roots) -> NativeSteps | Declined:
+    """Lay out a compiled program (``executor.compile_program``'s steps, kernels, table entries,
+    leaves and constants) as a step list, or say why not."""
+    if not enabled():
+        return Declined(f"{ENV}=0")
+    from fuel.kernels import native
+
+    lib = native.load()
+    if isinstance(lib, native.Unavailable):
+        return Declined(f"no native library: {lib.reason}")
+    try:
+        return _Planner(graph, lib, feeds, constants).plan(steps, kernels, entries, leaves, roots)
+    except _Unsupported as why:
+        return Declined(str(why))
+
+
+class _Planner:
+    def __init__(self, graph: Graph, lib, feeds, constants):
+        self.graph, self.lib, self.feeds, self.constants = graph, lib, feeds, constants
+        self.refs: dict[NodeId, _Ref] = {}
+        self.slots: list[Any] = [None]  # slot 0: the arena (its address set once it exists)
+        self.const_slot: dict[int, int] = {}
+        self.feed_slots: list[int] = []
+        self.arena_bytes = 0
+        self.records: list[tuple[int, tuple[_Ref | None, ...], tuple[int, ...], tuple[float, ...]]] = []
+
+    # Layout -------------------------------------------------------------------------------
+    def plan(self, steps, kernels, entries, leaves, roots) -> NativeSteps:
+        import torch
+
+        for feed in self.feeds:
+            if not all(isinstance(d, int) for d in feed.dims):
+                raise _Unsupported(f"input `{feed.name}` has a symbolic shape")
+            self.feed_slots.append(len(self.slots))
+            self.slots.append(None)
+        for node_id, (kind, index) in leaves.items():
+            node = self.graph.node(node_id)
+            if kind == "fed":
+                feed = self.feeds[index]
+                self.refs[node_id] = _Ref(self.feed_slots[index], 0, tuple(feed.dims), feed.dtype)
+            else:
+                tensor = self.constants[index]
+                if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                    raise _Unsupported(f"constant of node {node_id} is not contiguous on the CPU")
+                slot = self.const_slot.get(index)
+                if slot is None:
+                    slot = self.const_slot[index] = len(self.slots)
+                    self.slots.append(tensor)
+                self.refs[node_id] = _Ref(slot, 0, tuple(node.shape.dims), tensor.dtype)
+        for (node_id, reads), kernel, entry in zip(steps, kernels, entries):
+            node = self.graph.node(node_id)
+            if not node.shape.is_concrete:
+                raise _Unsupported(f"node {node_id} ({node.op}) has a symbolic shape")
+            self.refs[node_id] = self._step(node_id, node, [self.refs[r] for r in reads], kernel, entry)
+        arena = torch.empty(max(self.arena_bytes, _ALIGN), dtype=torch.uint8)
+        pointers = (ctypes.c_void_p * len(self.slots))()
+        pointers[0] = arena.data_ptr()
+        for slot, tensor in enumerate(self.slots):
+            if tensor is not None:
+                pointers[slot] = tensor.data_ptr()
+        records = (_Step * len(self.records))()
+        for record, (kind, operands, ints, floats) in zip(records, self.records):
+            record.kind = kind
+            for k, ref in enumerate(operands):
+                record.slot[k], record.offset[k] = (-1, 0) if ref is None else (ref.slot, ref.offset)
+            for k, value in enumerate(ints):
+                record.n[k] = value
+            for k, value in enumerate(floats):
+                record.f[k] = value
+        out = []
+        for root in roots:
+            ref = self.refs[root]
+            if ref.slot == 0:
+                size = ref.numel * ref.dtype.itemsize
+                out.append((arena[ref.offset:ref.offset + size].view(ref.dtype).view(ref.shape), None))
+            elif ref.slot in self.feed_slots and ref.offset == 0:
+                out.append((None, self.feed_slots.index(ref.slot)))
+            else:
+                raise _Unsupported(f"root {root} is a view of a weight or an input")
+        return NativeSteps(self.lib, records, pointers, self.feed_slots, out,
+                           (arena, [t for t in self.slots if t is not None]), len(self.records))
+
+    def _alloc(self, shape, dtype) -> _Ref:
+        offset = self.arena_bytes
+        self.arena_bytes += -(-max(math.prod(shape) * dtype.itemsize, 1) // _ALIGN) * _ALIGN
+        return _Ref(0, offset, tuple(shape), dtype)
+
+    def _emit(self, kind: int, operands, ints=(), floats=()) -> None:
+        self.records.append((kind, tuple(operands), tuple(ints), tuple(floats)))
+
+    # Nodes --------------------------------------------------------------------------------
+    def _step(self, node_id, node, ins: list[_Ref], kernel, entry) -> _Ref:
+        import torch
+
+        op, shape = node.op, tuple(node.shape.dims)
+        dtype = _torch_dtype(node.dtype)
+        if isinstance(op, Prim):
+            view = self._view(op, ins, shape, dtype)
+            if view is not None:
+                return view
+        stock = entry.kernel_source.startswith("torch.")
+        f32 = torch.float32
+        if isinstance(op, Prim) and stock:
+            attrs = op.attr_dict()
+            if op.kind is OpKind.INDEX_SELECT and attrs["dim"] % len(ins[0].shape) == 0:
+                source, index = ins
+                width = {torch.int64: 8, torch.int32: 4, torch.uint32: -4}.get(index.dtype)
+                if width is not None and source.dtype == dtype:
+                    out = self._alloc(shape, dtype)
+                    row = math.prod(source.shape[1:]) * dtype.itemsize
+                    self._emit(_GATHER, (source, index, out), (index.numel, row, source.shape[0], width))
+                    return out
+            if op.kind is OpKind.DEQUANTIZE and ins[0].dtype == torch.uint8 and dtype == f32:
+                from fuel.kernels.native import FORMAT_CODES
+
+                code = FORMAT_CODES.get(attrs["layout"])
+                if code is not None:
+                    row_bytes = ins[0].shape[-1]
+                    out = self._alloc(shape, dtype)
+                    self._emit(_DEQUANTIZE, (ins[0], out),
+                               (code, ins[0].numel // row_bytes, attrs["cols"], row_bytes))
+                    return out
+            if (op.kind is OpKind.ADD and ins[0].shape == ins[1].shape == shape
+                    and ins[0].dtype == ins[1].dtype == dtype == f32):
+                out = self._alloc(shape, dtype)
+                self._emit(_ADD, (ins[0], ins[1], out), (out.numel,))
+                return out
+            if (op.kind is OpKind.ARGMAX and ins[0].dtype == f32 and dtype == torch.int64
+                    and attrs["dim"] % len(ins[0].shape) == len(ins[0].shape) - 1):
+                width = ins[0].shape[-1]
+                out = self._alloc(shape, dtype)
+                self._emit(_ARGMAX, (ins[0], out), (ins[0].numel // width, width))
+                return out
+            if op.kind is OpKind.KV_CACHE_WRITE:
+                cache, rows, slots = ins
+                if (cache.dtype == rows.dtype == f32 and slots.dtype == torch.int64
+                        and len(cache.shape) >= 2 and rows.shape[1:] == cache.shape[2:]
+                        and len(slots.shape) == 1 and rows.shape[0] == slots.shape[0]):
+                    self._emit(_KV_WRITE, (cache, rows, slots),
+                               (cache.shape[0] * cache.shape[1], math.prod(rows.shape[1:]),
+                                slots.shape[0]))
+                    return cache
+        if isinstance(op, Fused) and stock:
+            fused = op.id
+            if fused == FusedOps.RMS_NORM and ins[0].dtype == dtype == f32 and all(
+                    r.dtype == f32 for r in ins):
+                width = shape[-1]
+                gain = ins[1] if op.params.has_gain else None
+                if gain is None or gain.shape == (width,):
+                    out = self._alloc(shape, dtype)
+                    self._emit(_RMS_NORM, (ins[0], gain, out), (ins[0].numel // width, width),
+                               (op.params.eps,))
+                    return out
+            if fused == FusedOps.SILU_MUL and ins[0].shape == ins[1].shape == shape and (
+                    ins[0].dtype == ins[1].dtype == dtype == f32):
+                out = self._alloc(shape, dtype)
+                self._emit(_SILU_MUL, (ins[0], ins[1], out), (out.numel,))
+                return out
+            if fused == FusedOps.ROPE:
+                x, cos, sin = ins
+                if (len(x.shape) == 3 and x.dtype == cos.dtype == sin.dtype == dtype == f32
+                        and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
+                        and x.shape[2] % 2 == 0):
+                    out = self._alloc(shape, dtype)
+                    self._emit(_ROPE, (x, cos, sin, out), x.shape)
+                    return out
+            if fused == FusedOps.FUSED_LINEAR and not op.params.has_bias:
+                from fuel.kernels.native import FORMAT_CODES, STREAM_ROWS
+
+                x, w = ins
+                fmt = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(w.dtype)
+                cols = x.shape[-1]
+                if (fmt and x.dtype == dtype == f32 and len(w.shape) == 2 and w.shape[1] == cols
+                        and x.numel <= STREAM_ROWS * cols):
+                    out = self._alloc(shape, dtype)
+                    self._emit(_MATMUL, (x, w, out), (FORMAT_CODES[fmt], x.numel // cols,
+                                                      w.shape[0], cols, cols * w.dtype.itemsize))
+                    return out
+        if isinstance(op, Fused):
+            laid = self._adopted(kernel, ins, shape, dtype)
+            if laid is not None:
+                return laid
+        raise _Unsupported(f"node {node_id} ({op}, {node.dtype.value}{list(shape)}) has no native step")
+
+    def _adopted(self, kernel, ins, shape, dtype) -> _Ref | None:
+        """A JIT-adopted native kernel's step (``fuel.jit.native_synth`` runners)."""
+        import torch
+
+        from fuel.jit import native_synth
+        from fuel.kernels.native import FORMAT_CODES, STREAM_ROWS
+
+        f32 = torch.float32
+        if isinstance(kernel, native_synth._QuantRunner):
+            x, w = ins
+            cols = kernel._cols
+            if (x.dtype == dtype == f32 and x.shape[-1] == cols and len(w.shape) == 2
+                    and x.numel <= STREAM_ROWS * cols):
+                q8 = kernel._activations == "q8"
+                out = self._alloc(shape, dtype)
+                self._emit(_MATMUL_Q8 if q8 else _MATMUL, (x, w, out),
+                           (FORMAT_CODES[kernel._layout], x.numel // cols, w.shape[0], cols,
+                            w.shape[1] * w.dtype.itemsize))
+                return out
+        if isinstance(kernel, native_synth._PagedRunner):
+            q, k_cache, v_cache, table, lens = ins
+            width = {torch.int64: 8, torch.int32: 4, torch.uint32: 4}.get(table.dtype)
+            native_rows = q.shape[2] < kernel._prefill_rows or kernel._softcap
+            if (native_rows and width and lens.dtype == table.dtype
+                    and len(q.shape) == 4 and len(k_cache.shape) == 4
+                    and q.dtype == k_cache.dtype == v_cache.dtype == dtype == f32
+                    and k_cache.shape == v_cache.shape and q.shape[3] == k_cache.shape[3]
+                    and q.shape[1] % k_cache.shape[2] == 0 and shape == q.shape):
+                out = self._alloc(shape, dtype)
+                self._emit(_PAGED, (q, k_cache, v_cache, table, lens, out),
+                           (*q.shape, *k_cache.shape[:3], table.shape[1], width),
+                           (kernel._scale, kernel._softcap or 0.0))
+                return out
+        if isinstance(kernel, native_synth._ResidualNormRunner):
+            x, residual, gain = ins
+            if (x.dtype == residual.dtype == gain.dtype == dtype == f32 and x.shape == residual.shape
+                    and gain.shape == (x.shape[-1],) and shape == (2, *x.shape)):
+                out = self._alloc(shape, dtype)
+                self._emit(_RESIDUAL_NORM, (x, residual, gain, out),
+                           (x.numel // x.shape[-1], x.shape[-1]), (kernel._eps,))
+                return out
+        return None
+
+    def _view(self, op: Prim, ins: list[_Ref], shape, dtype) -> _Ref | None:
+        """An offset into the operand for a view that keeps it contiguous, else None."""
+        kind = op.kind
+        if kind not in _VIEWS or not ins or ins[0].dtype != dtype:
+            return None
+        source, attrs = ins[0], op.attr_dict()
+        if kind in (OpKind.RESHAPE, OpKind.UNSQUEEZE) or (
+                kind in (OpKind.EXPAND, OpKind.CAST) and source.shape == shape):
+            return _Ref(source.slot, source.offset, shape, dtype)
+        rank = len(source.shape)
+        if kind in (OpKind.SELECT, OpKind.SLICE):
+            dim = attrs["dim"] % rank
+            if math.prod(source.shape[:dim]) != 1:
+                return None
+            start = (attrs["index"] if kind is OpKind.SELECT else attrs["start"]) % source.shape[dim]
+            inner = math.prod(source.shape[dim + 1:]) * dtype.itemsize
+            return _Ref(source.slot, source.offset + start * inner, shape, dtype)
+        if kind in (OpKind.PERMUTE, OpKind.TRANSPOSE):
+            order = list(attrs["dims"]) if kind is OpKind.PERMUTE else list(range(rank))
+            if kind is OpKind.TRANSPOSE:
+                i, j = attrs["dim0"] % rank, attrs["dim1"] % rank
+                order[i], order[j] = order[j], order[i]
+            moved = [d % rank for d in order if source.shape[d % rank] != 1]
+            if moved == sorted(moved):
+                return _Ref(source.slot, source.offset, shape, dtype)
+        return None
+
+
+_VIEWS = frozenset({OpKind.RESHAPE, OpKind.UNSQUEEZE, OpKind.SELECT, OpKind.SLICE,
+                    OpKind.PERMUTE, OpKind.TRANSPOSE, OpKind.EXPAND, OpKind.CAST})
+
+
+def _torch_dtype(dtype):
+    from fuel.kernels.torch_kernels import torch_dtype
+
+    return torch_dtype(dtype)
+
+
+__all__ = ["ENV", "Declined", "NativeSteps", "enabled", "plan"]
