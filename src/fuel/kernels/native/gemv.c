@@ -519,6 +519,17 @@ INLINE __m256 load8(int fmt, const uint8_t *p, int64_t k) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* Sixteen weights k..k+15 of a 16-bit dense row as f32 (f16: F16C's 512-bit form; bf16: widen
+   and shift). Only the half formats: their conversion, not the memory, bounds the 256-bit loop
+   (measured: bf16 at 14-16 GB/s against f32's 23-27). */
+INLINE __m512 load16(int fmt, const uint8_t *p, int64_t k) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
+    if (fmt == F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 /* Dense rows: f32 / f16 / bf16 weights, f32 accumulation. Four rows at once share x's loads. */
 INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
                        int64_t K, float *out) {
@@ -526,6 +537,24 @@ INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
     __m256 a[4], b[4];
     for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
     int64_t k = 0;
+#ifdef __AVX512F__
+    if (rows >= 4 && fmt != F32 && K >= 32) {
+        __m512 c[4], e[4];
+        for (int r = 0; r < 4; r++) c[r] = e[r] = _mm512_setzero_ps();
+        const uint8_t *p0 = w, *p1 = w + row_bytes, *p2 = w + 2 * row_bytes, *p3 = w + 3 * row_bytes;
+        for (; k + 32 <= K; k += 32) {
+            __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+            c[0] = _mm512_fmadd_ps(load16(fmt, p0, k), x0, c[0]); e[0] = _mm512_fmadd_ps(load16(fmt, p0, k + 16), x1, e[0]);
+            c[1] = _mm512_fmadd_ps(load16(fmt, p1, k), x0, c[1]); e[1] = _mm512_fmadd_ps(load16(fmt, p1, k + 16), x1, e[1]);
+            c[2] = _mm512_fmadd_ps(load16(fmt, p2, k), x0, c[2]); e[2] = _mm512_fmadd_ps(load16(fmt, p2, k + 16), x1, e[2]);
+            c[3] = _mm512_fmadd_ps(load16(fmt, p3, k), x0, c[3]); e[3] = _mm512_fmadd_ps(load16(fmt, p3, k + 16), x1, e[3]);
+        }
+        for (int r = 0; r < 4; r++) {  /* fold the 512-bit sums into the 256-bit accumulators */
+            const __m512 t = _mm512_add_ps(c[r], e[r]);
+            a[r] = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+        }
+    }
+#endif
     if (rows >= 4) {
         const uint8_t *p0 = w, *p1 = w + row_bytes, *p2 = w + 2 * row_bytes, *p3 = w + 3 * row_bytes;
         for (; k + 16 <= K; k += 16) {
