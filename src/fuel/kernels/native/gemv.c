@@ -519,6 +519,9 @@ INLINE __m256 load8(int fmt, const uint8_t *p, int64_t k) {
 }
 #endif
 
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8
+#endif
 #ifdef __AVX512F__
 /* Sixteen weights k..k+15 of a 16-bit dense row as f32 (f16: F16C's 512-bit form; bf16: widen
    and shift). Only the half formats: their conversion, not the memory, bounds the 256-bit loop
@@ -542,7 +545,14 @@ INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
         __m512 c[4], e[4];
         for (int r = 0; r < 4; r++) c[r] = e[r] = _mm512_setzero_ps();
         const uint8_t *p0 = w, *p1 = w + row_bytes, *p2 = w + 2 * row_bytes, *p3 = w + 3 * row_bytes;
+        const int64_t ahead = PREFETCH_ROWS * row_bytes;
         for (; k + 32 <= K; k += 32) {
+            /* the same line of the rows PREFETCH_ROWS ahead: a short row (576 bf16 weights is 18
+               lines) ends before the hardware prefetcher has ramped up on it */
+            _mm_prefetch((const char *)p0 + ahead + 2 * k, _MM_HINT_T0);
+            _mm_prefetch((const char *)p1 + ahead + 2 * k, _MM_HINT_T0);
+            _mm_prefetch((const char *)p2 + ahead + 2 * k, _MM_HINT_T0);
+            _mm_prefetch((const char *)p3 + ahead + 2 * k, _MM_HINT_T0);
             __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
             c[0] = _mm512_fmadd_ps(load16(fmt, p0, k), x0, c[0]); e[0] = _mm512_fmadd_ps(load16(fmt, p0, k + 16), x1, e[0]);
             c[1] = _mm512_fmadd_ps(load16(fmt, p1, k), x0, c[1]); e[1] = _mm512_fmadd_ps(load16(fmt, p1, k + 16), x1, e[1]);
@@ -557,7 +567,14 @@ INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
 #endif
     if (rows >= 4) {
         const uint8_t *p0 = w, *p1 = w + row_bytes, *p2 = w + 2 * row_bytes, *p3 = w + 3 * row_bytes;
+        const int64_t ahead = PREFETCH_ROWS * row_bytes, width = fmt == F32 ? 4 : 2;
         for (; k + 16 <= K; k += 16) {
+            if ((k & 31) == 0 || width == 4) {  /* one line a row: 16 f32 or 32 half weights */
+                _mm_prefetch((const char *)p0 + ahead + width * k, _MM_HINT_T0);
+                _mm_prefetch((const char *)p1 + ahead + width * k, _MM_HINT_T0);
+                _mm_prefetch((const char *)p2 + ahead + width * k, _MM_HINT_T0);
+                _mm_prefetch((const char *)p3 + ahead + width * k, _MM_HINT_T0);
+            }
             __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
             a[0] = _mm256_fmadd_ps(load8(fmt, p0, k), x0, a[0]); b[0] = _mm256_fmadd_ps(load8(fmt, p0, k + 8), x1, b[0]);
             a[1] = _mm256_fmadd_ps(load8(fmt, p1, k), x0, a[1]); b[1] = _mm256_fmadd_ps(load8(fmt, p1, k + 8), x1, b[1]);

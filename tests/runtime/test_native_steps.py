@@ -1,0 +1,235 @@
+"""Native step lists: a CPU program whose every step has a native kernel runs as one call and
+computes what the per-node path computes; any other program runs node by node and says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fuel.graph import DType, FusedOpParams, FusedOps, Graph, OpKind, lower
+from fuel.kernels import cpu_table
+from fuel.runtime import compile_program
+from fuel.runtime.native_steps import Declined, NativeSteps
+
+TABLE = cpu_table()
+F32, I64, U8 = DType.F32, DType.I64, DType.U8
+
+
+@pytest.fixture(autouse=True)
+def _library(native_lib):
+    """Every test here needs the native library (the shared fixture builds it once)."""
+
+
+def _both(program, feeds):
+    """The step list's results and the per-node path's (the timed run is always per node)."""
+    assert isinstance(program.native, NativeSteps), program.native
+    fast = program.run(feeds)
+    slow, _ = program.run_timed(feeds)
+    return fast, slow
+
+
+def _decode_layer_graph():
+    """One decoder layer's decode-row ops, stock kernels only: gather, rms_norm, a linear,
+    reshape, rope, a KV write, views (select, permute of size-1 dims), silu_mul, add, argmax."""
+    g = Graph()
+    emb = g.weight("emb", [10, 16], F32)
+    ids = g.input("ids", [1], I64)
+    pos_cos, pos_sin = g.weight("cos", [8, 4], F32), g.weight("sin", [8, 4], F32)
+    pos = g.input("pos", [1], I64)
+    gain = g.weight("gain", [16], F32)
+    wq, wg, wu = g.weight("wq", [16, 16], F32), g.weight("wg", [24, 16], F32), g.weight("wu", [24, 16], F32)
+    wd = g.weight("wd", [16, 24], F32)
+    cache, slots = g.input("cache", [4, 2, 4, 4], F32), g.input("slots", [1], I64)
+    x = g.prim(OpKind.INDEX_SELECT, emb, ids, dim=0)
+    normed = g.fused(FusedOps.RMS_NORM, FusedOpParams.RmsNorm(1e-5), x, gain)
+    q = g.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(), normed, wq)
+    heads = g.prim(OpKind.RESHAPE, q, shape=(1, 4, 4))
+    cos = g.prim(OpKind.UNSQUEEZE, g.prim(OpKind.INDEX_SELECT, pos_cos, pos, dim=0), dim=1)
+    sin = g.prim(OpKind.UNSQUEEZE, g.prim(OpKind.INDEX_SELECT, pos_sin, pos, dim=0), dim=1)
+    roped = g.fused(FusedOps.ROPE, FusedOpParams.Rope(), heads, cos, sin)
+    written = g.prim(OpKind.KV_CACHE_WRITE, cache, roped, slots)
+    row = g.prim(OpKind.SELECT, g.prim(OpKind.PERMUTE, g.prim(OpKind.RESHAPE, roped, shape=(1, 1, 4, 4)),
+                                       dims=(0, 2, 1, 3)), dim=0, index=0)  # [4, 1, 4]
+    flat = g.prim(OpKind.RESHAPE, row, shape=(1, 16))
+    gate = g.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(), flat, wg)
+    up = g.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(), flat, wu)
+    down = g.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(),
+                   g.fused(FusedOps.SILU_MUL, FusedOpParams.SiluMul(), gate, up), wd)
+    out = g.prim(OpKind.ADD, down, x)
+    token = g.prim(OpKind.ARGMAX, out, dim=-1, keepdim=True)
+    return g, (out, token, written)
+
+
+def _layer_feeds(weights_seed=0):
+    gen = torch.Generator().manual_seed(weights_seed)
+    weights = {"emb": torch.randn(10, 16, generator=gen), "cos": torch.randn(8, 4, generator=gen),
+               "sin": torch.randn(8, 4, generator=gen), "gain": torch.randn(16, generator=gen),
+               "wq": torch.randn(16, 16, generator=gen), "wg": torch.randn(24, 16, generator=gen),
+               "wu": torch.randn(24, 16, generator=gen), "wd": torch.randn(16, 24, generator=gen)}
+    return weights
+
+
+def _feeds(token, position, slot):
+    return {"ids": torch.tensor([token]), "pos": torch.tensor([position]),
+            "cache": torch.zeros(4, 2, 4, 4), "slots": torch.tensor([slot])}
+
+
+def test_a_decode_layer_of_stock_kernels_runs_as_one_call_with_the_per_node_results():
+    g, (out, token, written) = _decode_layer_graph()
+    program = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    assert isinstance(program.native, NativeSteps)
+    # Views are offsets: fewer native kernels than the program's steps.
+    views = sum(g.node(n).op.kind in (OpKind.RESHAPE, OpKind.UNSQUEEZE, OpKind.PERMUTE, OpKind.SELECT)
+                for n in program.executed if hasattr(g.node(n).op, "kind"))
+    assert program.native.kernels == len(program.executed) - views
+    assert program.host_calls == 1
+    fast, slow = _both(program, _feeds(3, 5, 6))
+    torch.testing.assert_close(fast[out], slow[out], rtol=1e-6, atol=1e-6)
+    assert fast[token].tolist() == slow[token].tolist() and fast[token].shape == (1, 1)
+
+
+def test_the_kv_write_of_a_step_list_lands_in_the_fed_cache():
+    g, (out, token, written) = _decode_layer_graph()
+    program = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    feeds = _feeds(3, 5, 6)
+    result = program.run(feeds)
+    assert result[written] is feeds["cache"]  # the cache is updated in place and returned
+    reference = _feeds(3, 5, 6)
+    program.run_timed(reference)
+    assert torch.equal(feeds["cache"], reference["cache"]) and feeds["cache"].abs().sum() > 0
+    assert feeds["cache"].view(8, 4, 4)[6].abs().sum() > 0  # slot 6: block 3, row 0
+
+
+def test_results_of_one_run_are_not_overwritten_by_the_next():
+    g, (out, token, written) = _decode_layer_graph()
+    program = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    first = program.run(_feeds(3, 5, 6))[out]
+    kept = first.clone()
+    second = program.run(_feeds(7, 2, 1))[out]
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+
+
+def test_a_slot_outside_the_cache_raises_as_the_per_node_path_does():
+    g, (out, token, written) = _decode_layer_graph()
+    program = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    assert isinstance(program.native, NativeSteps)
+    with pytest.raises(IndexError):
+        program.run(_feeds(3, 5, 99))
+    with pytest.raises(IndexError):  # a token id outside the embedding: torch's own error
+        program.run(_feeds(12, 5, 6))
+
+
+def test_a_non_contiguous_feed_takes_the_per_node_path_with_the_same_result():
+    g, (out, token, written) = _decode_layer_graph()
+    program = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    feeds = _feeds(3, 5, 6)
+    strided = torch.zeros(4, 2, 4, 8)[..., ::2]  # the cache as a strided view
+    assert not strided.is_contiguous()
+    expected = program.run(feeds)[out]
+    feeds["cache"] = strided
+    torch.testing.assert_close(program.run(feeds)[out], expected, rtol=1e-6, atol=1e-6)
+    assert strided.abs().sum() > 0  # written through the view by the per-node path
+
+
+@pytest.mark.parametrize("dims,laid_out", [((1, 0, 2), True), ((2, 1, 0), False)])
+def test_a_permute_is_an_offset_only_when_it_moves_size_one_dims(dims, laid_out):
+    g = Graph()
+    x = g.input("x", [3, 1, 4], F32)
+    moved = g.prim(OpKind.PERMUTE, x, dims=dims)
+    y = g.prim(OpKind.ADD, moved, moved)
+    program = compile_program(g, lower(g, [y]), TABLE)
+    if laid_out:
+        feed = torch.randn(3, 1, 4)
+        fast, slow = _both(program, {"x": feed})
+        assert torch.equal(fast[y], slow[y])
+    else:
+        assert isinstance(program.native, Declined)
+        assert program.native.reason == f"node {moved} (permute(dims=(2, 1, 0)), f32[4, 1, 3]) has no native step"
+
+
+def test_a_program_with_a_step_the_library_lacks_runs_node_by_node_and_says_which():
+    g = Graph()
+    x = g.input("x", [2, 4], F32)
+    y = g.prim(OpKind.EXP, x)
+    program = compile_program(g, lower(g, [y]), TABLE)
+    assert isinstance(program.native, Declined)
+    assert program.native.reason == f"node {y} (exp, f32[2, 4]) has no native step"
+    assert program.host_calls == len(program.executed) == 1
+    torch.testing.assert_close(program.run({"x": torch.zeros(2, 4)})[y], torch.ones(2, 4))
+
+
+def test_step_lists_are_off_with_the_environment_switch(monkeypatch):
+    monkeypatch.setenv("FUEL_NATIVE_STEPS", "0")
+    g, (out, token, written) = _decode_layer_graph()
+    program = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    assert program.native == Declined("FUEL_NATIVE_STEPS=0")
+
+
+def test_an_embedding_row_of_packed_bytes_is_gathered_and_dequantized_in_the_list():
+    from fuel.kernels.quant_blocks import dequantize
+
+    g = Graph()
+    packed = g.weight("emb", [6, 34], U8)  # q8_0: 32 columns a row, 34 bytes
+    ids = g.input("ids", [1], I64)
+    row = g.prim(OpKind.DEQUANTIZE, g.prim(OpKind.INDEX_SELECT, packed, ids, dim=0),
+                 layout="q8_0", cols=32)
+    out = g.prim(OpKind.ADD, row, row)
+    blocks = torch.randint(0, 255, (6, 34), dtype=torch.uint8)
+    blocks[:, 1] = 0x3C  # a finite f16 scale in every row's first two bytes
+    blocks[:, 0] = 0x00
+    program = compile_program(g, lower(g, [out]), TABLE, weights={"emb": blocks})
+    fast, slow = _both(program, {"ids": torch.tensor([4])})
+    assert torch.equal(fast[out], slow[out])
+    assert torch.equal(fast[out][0], 2 * dequantize(blocks[4:5], "q8_0", 32)[0])
+
+
+@pytest.fixture(scope="module")
+def native_jit_engine(smollm2_weights, fuel_cache, tmp_path_factory):
+    """SmolLM2 in f32 with the CPU synthesizer fuel runs with (native paged attention and
+    residual_add_rms_norm adopted where the Judge measures them faster)."""
+    from fuel.jit.native_synth import CpuSynthesizer
+    from fuel.runtime.engine import Engine
+    from fuel.runtime.model import jit_options
+
+    torch.set_num_threads(2)
+    table = cpu_table()
+    options = jit_options(table, store_path=tmp_path_factory.mktemp("steps") / "judge.sqlite",
+                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
+    options.jit.profile_options = {"warmup": 1, "repeats": 5, "min_sample_ns": 50_000}
+    return Engine(smollm2_weights, max_context=256, table=table, optimize_options=options)
+
+
+def test_a_smollm2_decode_step_is_one_call_and_its_greedy_text_equals_transformers(
+        native_jit_engine, smollm2_oracle, smollm2_tokenizer):
+    from fuel.circuit.rules import Mode
+    from fuel.runtime.generate import generate
+
+    prompt = smollm2_tokenizer.encode(smollm2_tokenizer.format_prompt("Name three colours."))
+    tokens = generate(native_jit_engine, prompt, 16).tokens
+    assert tokens == smollm2_oracle.greedy(prompt, 16)
+    decode = [p for p in native_jit_engine.programs() if p.step.plan.mode is Mode.DECODE]
+    assert decode and all(isinstance(p.program.native, NativeSteps) for p in decode)
+    assert all(p.program.host_calls == 1 for p in decode)
+
+
+def test_a_smollm2_decode_step_list_gives_the_per_node_logits(native_jit_engine, smollm2_tokenizer):
+    from fuel.circuit.rules import Mode
+    from fuel.runtime.generate import prefill
+
+    engine = native_jit_engine
+    prompt = smollm2_tokenizer.encode("The quick brown fox")
+    for name in ("fast", "slow"):
+        engine.add_sequence(name)
+        prefill(engine, name, prompt)
+    try:
+        token = prompt[-1]
+        for _ in range(3):
+            fast = engine.step(Mode.DECODE, [("fast", [token])])
+            slow = engine.step(Mode.DECODE, [("slow", [token])], timed=True)  # node by node
+            assert isinstance(fast.program.program.native, NativeSteps)
+            torch.testing.assert_close(fast.logits, slow.logits, rtol=1e-5, atol=1e-4)
+            assert fast.tokens == slow.tokens
+            token = fast.tokens[-1]
+    finally:
+        engine.free("fast")
+        engine.free("slow")
