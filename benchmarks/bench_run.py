@@ -214,7 +214,10 @@ def fuel_worker(args) -> dict:
                "prefill_with_builds_s": gen.timing.prefill_s,
                "builds": sum(stats.builds.values()), "restored": sum(stats.restored.values()),
                "decode_calls_per_step": (round(stats.dispatched["decode"] / stats.steps["decode"], 1)
-                                         if stats.steps["decode"] else None)}
+                                         if stats.steps["decode"] else None),
+               "decode_host_calls_per_step": (
+                   round(stats.host_calls["decode"] / stats.steps["decode"], 1)
+                   if stats.steps["decode"] else None)}
         if index == 0:
             out["ttft_s"] = first[0] - args.t0
             row["decode_s"] = gen.timing.decode_s - stats.build_s[Mode.DECODE.value]
@@ -324,11 +327,13 @@ def llama_main(args, python: str) -> None:
         ok = [r for r in fuel if "error" not in r]
         if ok:
             calls = ok[-1]["prompts"][0]["decode_calls_per_step"]
+            host = ok[-1]["prompts"][0].get("decode_host_calls_per_step")
             restored = [f"{r['prompts'][0]['restored']}/{r['prompts'][0]['builds']}" for r in ok]
             same = [r["prompts"][0]["tokens"] for r in ok] + [
                 r["prompts"][0]["tokens"] for r in peer if "error" not in r]
             agree = sum(a == b for a, b in zip(same[0], same[-1])) if len(same) > 1 else None
-            print(f"{'':<6}fuel: {calls} kernel calls per decode step; programs restored from "
+            print(f"{'':<6}fuel: {calls} kernel calls per decode step ({host} from Python); "
+                  f"programs restored from "
                   f"disk per process (restored/needed): {', '.join(restored)}; greedy tokens equal "
                   f"to llama.cpp's: {agree}/{len(same[0])}")
 

@@ -368,10 +368,11 @@ def _print(console: Console, table: Table) -> None:
 
 def print_tables(console: Console, result: dict[str, Any]) -> None:
     steps = _table("steps by mode", "mode", "steps", "rows/step", "launches/step",
-                   "kernel calls/step")
+                   "kernel calls/step", "host calls/step")
     for mode, row in result["steps"].items():
         steps.add_row(mode, str(row["steps"]), str(row["rows_per_step"]),
-                      str(row["launches_per_step"]), str(row["kernel_calls_per_step"]))
+                      str(row["launches_per_step"]), str(row["kernel_calls_per_step"]),
+                      str(row.get("host_calls_per_step", "-")))
     _print(console, steps)
     digests = _table("plans used", "plan digest", "mode")
     for digest, what in result["plan_digests"].items():

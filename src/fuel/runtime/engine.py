@@ -99,6 +99,8 @@ class EngineStats:
     rows: Counter = field(default_factory=Counter)
     launches: Counter = field(default_factory=Counter)
     dispatched: Counter = field(default_factory=Counter)
+    host_calls: Counter = field(default_factory=Counter)
+    """Per mode: calls made from Python (a program laid out as a native step list is one)."""
     digests: dict[str, str] = field(default_factory=dict)
     # Programs built (lower + optimize, JIT adoption and Judge measurement included) and the
     # seconds they took, by the mode of the step that needed them: a rate that counts them
@@ -137,6 +139,7 @@ class EngineStats:
         self.rows[mode.value] += program.step.shape.rows
         self.launches[mode.value] += program.launches
         self.dispatched[mode.value] += program.dispatched
+        self.host_calls[mode.value] += program.host_calls
         self.digests.setdefault(program.digest, f"{mode.value} rows={program.step.plan.rows}")
         for choice in program.last_route.choices if program.last_route is not None else ():
             arm = next((a for a in choice.arms if a.arm == choice.arm), None)
@@ -144,7 +147,8 @@ class EngineStats:
             self.routes[(mode.value, choice.branch, choice.arm, where, choice.reason)] += 1
 
     def reset(self) -> None:
-        for counter in (self.steps, self.rows, self.launches, self.dispatched, self.builds,
+        for counter in (self.steps, self.rows, self.launches, self.dispatched, self.host_calls,
+                        self.builds,
                         self.build_s, self.routes, self.experts, self.expert_bytes,
                         self.expert_layer_steps, self.experts_uniform, self.restored):
             counter.clear()

@@ -169,6 +169,7 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
     per_step = {mode: {"steps": count,
                        "launches_per_step": round(stats.launches[mode] / count, 1),
                        "kernel_calls_per_step": round(stats.dispatched[mode] / count, 1),
+                       "host_calls_per_step": round(stats.host_calls[mode] / count, 1),
                        "rows_per_step": round(stats.rows[mode] / count, 2)}
                 for mode, count in sorted(stats.steps.items())}
     bakes = []

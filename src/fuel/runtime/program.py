@@ -127,7 +127,8 @@ class BakeSummary:
 @dataclass(slots=True)
 class StepProgram:
     """One compiled step: call :meth:`run` with the feeds; ``launches`` is the plan's count,
-    ``dispatched`` the kernel calls the executor makes."""
+    ``dispatched`` the kernel calls the executor makes, ``host_calls`` the calls from Python
+    (one where the program runs as a native step list)."""
 
     step: StepGraph
     optimized: OptimizedGraph
@@ -153,7 +154,15 @@ class StepProgram:
 
     @property
     def dispatched(self) -> int:
-        return len(self.program)
+        """Kernels one run executes: a native step list's kernels (its views are offsets and
+        run nothing), else one per step."""
+        native = getattr(self.program, "native", None)
+        return native.kernels if hasattr(native, "kernels") else len(self.program)
+
+    @property
+    def host_calls(self) -> int:
+        """Calls one run makes from Python (``Program.host_calls``)."""
+        return self.program.host_calls
 
     def bake_summary(self) -> BakeSummary:
         counts: dict[str, int] = {}
