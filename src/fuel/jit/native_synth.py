@@ -183,21 +183,20 @@ class _QuantRunner:
         from fuel.kernels.native import STREAM_ROWS
 
         self._matmul = lib.matmul
-        self._layout = layout
-        self._cols = cols
-        self._activations = activations
+        self.layout, self.cols, self.activations = layout, cols, activations
+        """What the kernel multiplies (read by ``fuel.runtime.native_steps`` too)."""
         self._half = {"bf16": torch.bfloat16, "f16": torch.float16}.get(layout)
         self._stream_rows = STREAM_ROWS
         self._torch = torch
 
     def __call__(self, x, w):
-        if self._half is not None and x.numel() > self._stream_rows * self._cols:
+        if self._half is not None and x.numel() > self._stream_rows * self.cols:
             torch = self._torch
-            half = w.view(self._half).reshape(w.shape[0], self._cols)
+            half = w.view(self._half).reshape(w.shape[0], self.cols)
             out = torch.nn.functional.linear(x.to(self._half), half).float()
             if self._half is torch.bfloat16 or bool(torch.isfinite(out).all()):
                 return out
-        return self._matmul(self._layout, x, w, self._cols, activations=self._activations)
+        return self._matmul(self.layout, x, w, self.cols, activations=self.activations)
 
 
 class _PagedRunner:
@@ -212,17 +211,21 @@ class _PagedRunner:
         from fuel.jit.paged import PREFILL_MIN_ROWS, sdpa_prefill
 
         self._attend = lib.paged_attn
-        self._scale, self._softcap = paged.softmax_scale, paged.softcap
+        self.scale, self.softcap = paged.softmax_scale, paged.softcap
         self._prefill_rows = PREFILL_MIN_ROWS
         self._prefill = sdpa_prefill
         self._f32 = torch.float32
 
+    def native_rows(self, rows: int) -> bool:
+        """Whether ``rows`` queries a sequence run the native decode body (else SDPA)."""
+        return rows < self._prefill_rows or bool(self.softcap)
+
     def __call__(self, q, k_cache, v_cache, block_table, context_lens):
-        if q.shape[2] >= self._prefill_rows and not self._softcap:
-            return self._prefill(q, k_cache, v_cache, block_table, context_lens, self._scale,
+        if not self.native_rows(q.shape[2]):
+            return self._prefill(q, k_cache, v_cache, block_table, context_lens, self.scale,
                                  self._f32)
-        out = self._attend(q, k_cache, v_cache, block_table, context_lens, self._scale,
-                           self._softcap)
+        out = self._attend(q, k_cache, v_cache, block_table, context_lens, self.scale,
+                           self.softcap)
         if out is None:
             raise ValueError(f"native paged attention refused its operands (q {q.dtype} "
                              f"{tuple(q.shape)}, caches {k_cache.dtype} {tuple(k_cache.shape)}, "
@@ -235,10 +238,10 @@ class _ResidualNormRunner:
 
     def __init__(self, lib, eps: float):
         self._norm = lib.residual_rms_norm
-        self._eps = eps
+        self.eps = eps
 
     def __call__(self, x, residual, gain):
-        out = self._norm(x, residual, gain, self._eps)
+        out = self._norm(x, residual, gain, self.eps)
         if out is None:
             raise ValueError(f"native residual_add_rms_norm refused its operands (x {x.dtype} "
                              f"{tuple(x.shape)}, gain {gain.dtype} {tuple(gain.shape)})")

@@ -394,7 +394,8 @@ transposed copy (measured on this 2-core AVX-512 machine, 3072x576 and 576x1536 
 copy is 1.7x faster at 16 rows, 1.1x at 48, 1.0x at 128)."""
 
 
-_NATIVE_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+NATIVE_WEIGHT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+"""The dense weight dtypes the native matmul reads as they are (its format names)."""
 
 
 def _native_serves(node: Node, inputs: Sequence[Node], rank: int | None = None) -> bool:
@@ -424,8 +425,8 @@ def _fused_linear(node: Node):
         # at a fraction of it on this CPU (the probe's 8.4 GB/s f32 GEMV before, 21-26 GB/s
         # with this path: `fuel devices --probe`). GEMM shapes use torch.
         if (stream is not None and x.device.type == "cpu" and w.dim() == 2
-                and w.dtype in _NATIVE_FORMATS and x.numel() <= STREAM_ROWS * x.shape[-1]):
-            out = stream.matmul(_NATIVE_FORMATS[w.dtype], x, w, x.shape[-1])
+                and w.dtype in NATIVE_WEIGHT_FORMATS and x.numel() <= STREAM_ROWS * x.shape[-1]):
+            out = stream.matmul(NATIVE_WEIGHT_FORMATS[w.dtype], x, w, x.shape[-1])
             if bias is not None:
                 out += bias
             return out if x.dtype == torch.float32 else out.to(x.dtype)

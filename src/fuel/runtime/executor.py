@@ -91,7 +91,8 @@ class Program:
     """
 
     __slots__ = ("roots", "executed", "executed_nodes", "source", "device", "_run", "_kernels",
-                 "_constants", "_feeds", "_timed_source", "_timed_run", "merged", "native")
+                 "_constants", "_feeds", "_timed_source", "_timed_run", "merged", "native",
+                 "_steps")
 
     def __init__(self, roots, executed, source, run, kernels, constants, feeds, device,
                  timed_source="", merged=0, native=None):
@@ -112,13 +113,20 @@ class Program:
         self.native = native
         """The program laid out as one native call (``fuel.runtime.native_steps.NativeSteps``),
         or why not (``Declined``), or None (not a CPU program)."""
+        from fuel.runtime.native_steps import NativeSteps
+
+        self._steps = native if isinstance(native, NativeSteps) else None
 
     @property
     def host_calls(self) -> int:
         """Calls a plain run makes from Python: one for a step list, else one per step."""
-        from fuel.runtime.native_steps import NativeSteps
+        return 1 if self._steps is not None else len(self.executed)
 
-        return 1 if isinstance(self.native, NativeSteps) else len(self.executed)
+    @property
+    def kernel_calls(self) -> int:
+        """Kernels a plain run executes: a step list's (its views are offsets and run nothing),
+        else one per step."""
+        return self._steps.kernels if self._steps is not None else len(self.executed)
 
     def _fed(self, feeds: Mapping[str, Any]) -> list[Any]:
         fed = []
@@ -136,9 +144,7 @@ class Program:
         """Run every step; returns ``{root id: tensor}``."""
         fed = self._fed(feeds)
         self.executed_nodes = 0
-        results = None
-        if self.native is not None and hasattr(self.native, "run"):
-            results = self.native.run(fed)
+        results = self._steps.run(fed) if self._steps is not None else None
         if results is None:
             results = self._run(self._kernels, self._constants, fed)
         self.executed_nodes = len(self.executed)

@@ -39,15 +39,22 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fuel.graph.ir import Fused, Graph, NodeId, Prim
 from fuel.graph.ops import OpKind
 from fuel.graph.registry import FusedOps
+from fuel.kernels.torch_kernels import NATIVE_WEIGHT_FORMATS, torch_dtype
 
 ENV = "FUEL_NATIVE_STEPS"
 
 _MATMUL, _MATMUL_Q8, _DEQUANTIZE, _ROPE, _ARGMAX, _KV_WRITE, _PAGED, _RESIDUAL_NORM = 1, 2, 3, 4, 5, 6, 7, 8
 _RMS_NORM, _SILU_MUL, _ADD, _GATHER = 9, 10, 11, 12
 _ALIGN = 64
+
+
+_INDEX_BYTES = {torch.int64: 8, torch.int32: 4, torch.uint32: 4}
+"""Index operands (a gather's, paged attention's table and lengths) by element size."""
 
 
 class _Step(ctypes.Structure):
@@ -88,10 +95,8 @@ def enabled() -> bool:
 class NativeSteps:
     """A program laid out for ``fuel_run_steps``: :meth:`run` with the fed tensors."""
 
-    def __init__(self, lib, records, table, feed_slots, roots, keep, kernels: int):
-        import torch
-
-        self._call = lib._lib.fuel_run_steps
+    def __init__(self, lib, records, table, feed_slots, roots, keep):
+        self._call = lib.run_steps
         self._records = records
         self._table = table
         self._feed_slots = feed_slots
@@ -99,8 +104,11 @@ class NativeSteps:
         self._keep = keep  # the arena, weights and constants the table points into
         self._lock = threading.Lock()
         self._threads = torch.get_num_threads
-        self.kernels = kernels
+
+    @property
+    def kernels(self) -> int:
         """Native kernels one run makes (views cost nothing and are not counted)."""
+        return len(self._records)
 
     def run(self, fed: list[Any]) -> tuple[Any, ...] | None:
         """The roots' values, or None where the per-node path must run instead (module docs)."""
@@ -149,8 +157,6 @@ class _Planner:
 
     # Layout -------------------------------------------------------------------------------
     def plan(self, steps, kernels, entries, leaves, roots) -> NativeSteps:
-        import torch
-
         for feed in self.feeds:
             if not all(isinstance(d, int) for d in feed.dims):
                 raise _Unsupported(f"input `{feed.name}` has a symbolic shape")
@@ -201,7 +207,7 @@ class _Planner:
             else:
                 raise _Unsupported(f"root {root} is a view of a weight or an input")
         return NativeSteps(self.lib, records, pointers, self.feed_slots, out,
-                           (arena, [t for t in self.slots if t is not None]), len(self.records))
+                           (arena, [t for t in self.slots if t is not None]))
 
     def _alloc(self, shape, dtype) -> _Ref:
         offset = self.arena_bytes
@@ -213,10 +219,8 @@ class _Planner:
 
     # Nodes --------------------------------------------------------------------------------
     def _step(self, node_id, node, ins: list[_Ref], kernel, entry) -> _Ref:
-        import torch
-
         op, shape = node.op, tuple(node.shape.dims)
-        dtype = _torch_dtype(node.dtype)
+        dtype = torch_dtype(node.dtype)
         if isinstance(op, Prim):
             view = self._view(op, ins, shape, dtype)
             if view is not None:
@@ -227,7 +231,7 @@ class _Planner:
             attrs = op.attr_dict()
             if op.kind is OpKind.INDEX_SELECT and attrs["dim"] % len(ins[0].shape) == 0:
                 source, index = ins
-                width = {torch.int64: 8, torch.int32: 4, torch.uint32: -4}.get(index.dtype)
+                width = _INDEX_BYTES.get(index.dtype)
                 if width is not None and source.dtype == dtype:
                     out = self._alloc(shape, dtype)
                     row = math.prod(source.shape[1:]) * dtype.itemsize
@@ -291,7 +295,7 @@ class _Planner:
                 from fuel.kernels.native import FORMAT_CODES, STREAM_ROWS
 
                 x, w = ins
-                fmt = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(w.dtype)
+                fmt = NATIVE_WEIGHT_FORMATS.get(w.dtype)
                 cols = x.shape[-1]
                 if (fmt and x.dtype == dtype == f32 and len(w.shape) == 2 and w.shape[1] == cols
                         and x.numel <= STREAM_ROWS * cols):
@@ -307,28 +311,25 @@ class _Planner:
 
     def _adopted(self, kernel, ins, shape, dtype) -> _Ref | None:
         """A JIT-adopted native kernel's step (``fuel.jit.native_synth`` runners)."""
-        import torch
-
         from fuel.jit import native_synth
         from fuel.kernels.native import FORMAT_CODES, STREAM_ROWS
 
         f32 = torch.float32
         if isinstance(kernel, native_synth._QuantRunner):
             x, w = ins
-            cols = kernel._cols
+            cols = kernel.cols
             if (x.dtype == dtype == f32 and x.shape[-1] == cols and len(w.shape) == 2
                     and x.numel <= STREAM_ROWS * cols):
-                q8 = kernel._activations == "q8"
+                q8 = kernel.activations == "q8"
                 out = self._alloc(shape, dtype)
                 self._emit(_MATMUL_Q8 if q8 else _MATMUL, (x, w, out),
-                           (FORMAT_CODES[kernel._layout], x.numel // cols, w.shape[0], cols,
+                           (FORMAT_CODES[kernel.layout], x.numel // cols, w.shape[0], cols,
                             w.shape[1] * w.dtype.itemsize))
                 return out
         if isinstance(kernel, native_synth._PagedRunner):
             q, k_cache, v_cache, table, lens = ins
-            width = {torch.int64: 8, torch.int32: 4, torch.uint32: 4}.get(table.dtype)
-            native_rows = q.shape[2] < kernel._prefill_rows or kernel._softcap
-            if (native_rows and width and lens.dtype == table.dtype
+            width = _INDEX_BYTES.get(table.dtype)
+            if (kernel.native_rows(q.shape[2]) and width and lens.dtype == table.dtype
                     and len(q.shape) == 4 and len(k_cache.shape) == 4
                     and q.dtype == k_cache.dtype == v_cache.dtype == dtype == f32
                     and k_cache.shape == v_cache.shape and q.shape[3] == k_cache.shape[3]
@@ -336,7 +337,7 @@ class _Planner:
                 out = self._alloc(shape, dtype)
                 self._emit(_PAGED, (q, k_cache, v_cache, table, lens, out),
                            (*q.shape, *k_cache.shape[:3], table.shape[1], width),
-                           (kernel._scale, kernel._softcap or 0.0))
+                           (kernel.scale, kernel.softcap or 0.0))
                 return out
         if isinstance(kernel, native_synth._ResidualNormRunner):
             x, residual, gain = ins
@@ -344,7 +345,7 @@ class _Planner:
                     and gain.shape == (x.shape[-1],) and shape == (2, *x.shape)):
                 out = self._alloc(shape, dtype)
                 self._emit(_RESIDUAL_NORM, (x, residual, gain, out),
-                           (x.numel // x.shape[-1], x.shape[-1]), (kernel._eps,))
+                           (x.numel // x.shape[-1], x.shape[-1]), (kernel.eps,))
                 return out
         return None
 
@@ -378,12 +379,6 @@ class _Planner:
 
 _VIEWS = frozenset({OpKind.RESHAPE, OpKind.UNSQUEEZE, OpKind.SELECT, OpKind.SLICE,
                     OpKind.PERMUTE, OpKind.TRANSPOSE, OpKind.EXPAND, OpKind.CAST})
-
-
-def _torch_dtype(dtype):
-    from fuel.kernels.torch_kernels import torch_dtype
-
-    return torch_dtype(dtype)
 
 
 __all__ = ["ENV", "Declined", "NativeSteps", "enabled", "plan"]

@@ -154,10 +154,8 @@ class StepProgram:
 
     @property
     def dispatched(self) -> int:
-        """Kernels one run executes: a native step list's kernels (its views are offsets and
-        run nothing), else one per step."""
-        native = getattr(self.program, "native", None)
-        return native.kernels if hasattr(native, "kernels") else len(self.program)
+        """Kernels one run executes (``Program.kernel_calls``)."""
+        return self.program.kernel_calls
 
     @property
     def host_calls(self) -> int:

@@ -237,6 +237,12 @@ class NativeKernels:
             return None
         return out.reshape(*lead, cols)
 
+    @property
+    def run_steps(self):
+        """``fuel_run_steps(records, count, pointers, threads)`` (``steps.c``): a laid-out program
+        in one call (``fuel.runtime.native_steps``, which builds its arguments)."""
+        return self._lib.fuel_run_steps
+
     def pool_threads(self, threads: int) -> int:
         """How many threads a parallel region of the library gets when asked for ``threads``."""
         return int(self._lib.fuel_pool_threads(threads))

@@ -68,9 +68,9 @@ void fuel_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
 }
 
 static inline int64_t index_at(const void *p, int64_t i, int64_t bytes) {
-    /* 8: int64, 4: int32, -4: uint32 */
-    return bytes == 8 ? ((const int64_t *)p)[i] : bytes == 4 ? (int64_t)((const int32_t *)p)[i]
-                                                             : (int64_t)((const uint32_t *)p)[i];
+    /* 8: int64; 4: 32-bit, read unsigned (as paged attention reads its table): a negative
+       int32 is then past any source and refused like one */
+    return bytes == 8 ? ((const int64_t *)p)[i] : (int64_t)((const uint32_t *)p)[i];
 }
 
 #define P(k) ((void *)((char *)table[s->slot[k]] + s->offset[k]))
