@@ -28,6 +28,8 @@ What is decided here, and what always holds:
 
 from __future__ import annotations
 
+import functools
+
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -197,6 +199,7 @@ class GgufModel:
         return _float32_shortest(self.metadata[key])
 
 
+@functools.cache
 def _reader_class():
     """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map.
 
