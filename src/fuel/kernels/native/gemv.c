@@ -399,8 +399,25 @@ INLINE float dot_kquant(int fmt, const uint8_t *row, const float *x, const float
 /* Dequantize one packed row of K weights to f32. */
 INLINE void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
     if (fmt == F32) { memcpy(dst, row, (size_t)K * 4); return; }
-    if (fmt == F16) { const uint8_t *p = row; for (int64_t k = 0; k < K; k++) dst[k] = half_to_float(rd16(p + 2 * k)); return; }
-    if (fmt == BF16) { const uint8_t *p = row; for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_float(rd16(p + 2 * k)); return; }
+    if (fmt == F16 || fmt == BF16) {  /* exact widenings, a vector at a time (F16C / a shift) */
+        int64_t k = 0;
+#ifdef __AVX512F__
+        for (; k + 16 <= K; k += 16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(row + 2 * k));
+            _mm512_storeu_ps(dst + k, fmt == F16 ? _mm512_cvtph_ps(h)
+                             : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+#elif defined(__AVX2__) && defined(__F16C__)
+        for (; k + 8 <= K; k += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * k));
+            _mm256_storeu_ps(dst + k, fmt == F16 ? _mm256_cvtph_ps(h)
+                             : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+#endif
+        for (; k < K; k++)
+            dst[k] = fmt == F16 ? half_to_float(rd16(row + 2 * k)) : bf16_to_float(rd16(row + 2 * k));
+        return;
+    }
     int bb = block_bytes(fmt); int32_t q[32]; float d, m;
     if (block_elems(fmt) == 256) {
         for (int64_t b = 0; b < K / 256; b++) kq_dequant(fmt, row + b * bb, dst + b * 256);
