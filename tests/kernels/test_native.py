@@ -460,3 +460,24 @@ def test_an_f16_chunk_that_overflows_f16_is_computed_on_the_f32_path(lib, tmp_pa
     out = kernel.run(x, w)
     assert torch.isfinite(out).all()
     assert verify(out, x @ dequantize(w, "f16", 128).T, TOLERANCE).ok
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_the_argmax_kernel_answers_like_torch_with_and_without_keepdim(lib, keepdim):
+    from fuel.graph import DType, Graph, OpKind, lower
+    from fuel.kernels import cpu_table
+    from fuel.runtime import compile_program
+
+    g = Graph()
+    x = g.input("x", [3, 7], DType.F32)
+    pick = g.prim(OpKind.ARGMAX, x, dim=-1, keepdim=keepdim)
+    program = compile_program(g, lower(g, [pick]), cpu_table())
+    rows = torch.tensor([[1.0, 5.0, 5.0, 0.0, -1.0, 2.0, 3.0],
+                         [0.0, float("nan"), 9.0, float("nan"), 1.0, 1.0, 1.0],
+                         [-3.0, -2.0, -1.0, -1.0, -9.0, -9.0, -1.0]])
+    want = torch.argmax(rows, -1, keepdim)
+    assert want.tolist() == ([[1], [1], [2]] if keepdim else [1, 1, 2])
+    kernel, _ = program.run_timed({"x": rows})  # node by node: the table's kernel
+    step_list = program.run({"x": rows})  # the program laid out as one native call
+    for got in (kernel[pick], step_list[pick]):
+        assert got.shape == want.shape and got.tolist() == want.tolist()

@@ -71,15 +71,16 @@ def _fixed(fn: Callable[..., Any]) -> KernelFactory:
 def _argmax(node: Node):
     attrs = _attrs(node)
     dim, keepdim = attrs["dim"], attrs["keepdim"]
-    native = _native_library() if not keepdim else None
+    native = _native_library()
 
     def argmax(x):
         # The greedy pick over a vocabulary row: one native pass where torch's reduction costs
-        # ~90 us on a 49,152-wide row here (same result: first maximum, NaN counts as maximum).
+        # ~90 us on a 49,152-wide row here (same result: first maximum, NaN counts as maximum);
+        # a prompt chunk's 128 rows took 7.9 ms through torch.
         if native is not None and x.device.type == "cpu" and dim in (-1, x.dim() - 1):
             out = native.argmax(x)
             if out is not None:
-                return out
+                return out.unsqueeze(-1) if keepdim else out
         return torch.argmax(x, dim, keepdim)
     return argmax
 
