@@ -233,3 +233,15 @@ def test_a_smollm2_decode_step_list_gives_the_per_node_logits(native_jit_engine,
     finally:
         engine.free("fast")
         engine.free("slow")
+
+
+def test_a_root_that_is_a_reshaped_view_of_a_fed_cache_is_declined_not_returned_misshapen():
+    g = Graph()
+    cache, rows, slots = g.input("cache", [4, 2, 1, 4], F32), g.input("rows", [1, 1, 4], F32), \
+        g.input("slots", [1], I64)
+    flat = g.prim(OpKind.RESHAPE, g.prim(OpKind.KV_CACHE_WRITE, cache, rows, slots), shape=(8, 4))
+    program = compile_program(g, lower(g, [flat]), TABLE)
+    assert program.native == Declined(f"root {flat} is a view of a weight or an input")
+    out = program.run({"cache": torch.zeros(4, 2, 1, 4), "rows": torch.ones(1, 1, 4),
+                       "slots": torch.tensor([3])})[flat]
+    assert out.shape == (8, 4) and out[3].tolist() == [1.0] * 4 and out.sum() == 4

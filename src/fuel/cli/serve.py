@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from fuel.cli.app import app
-from fuel.cli.run import ContextOpt, DtypeOpt, JitOpt, ModelArg, ThreadsOpt
+from fuel.cli.run import ContextOpt, DtypeOpt, JitOpt, ModelArg, ProgramCacheOpt, ThreadsOpt
 from fuel.errors import InputError
 
 
@@ -30,9 +30,10 @@ def serve_command(
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="FUEL_API_KEY", help="Require Authorization: Bearer KEY on every route but /health.")] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The model id clients send (default: the model argument).")] = None,
     default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", min=1, help="max_tokens of a chat request that names none.")] = 256,
-    dtype: DtypeOpt = "f32",
+    dtype: DtypeOpt = "stored",
     threads: ThreadsOpt = None,
     jit: JitOpt = None,
+    program_cache: ProgramCacheOpt = True,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with continuous batching."""
     try:
@@ -55,7 +56,8 @@ def serve_command(
     # programs built while serving do not (the server's log owns the terminal then).
     with listening(TerminalProgress()):
         loaded = load_model(model, dtype=dtype, max_context=max_context,
-                            max_sequences=max_batch, jit=numba_available() if jit is None else jit)
+                            max_sequences=max_batch, jit=numba_available() if jit is None else jit,
+                            program_cache=program_cache)
     options = ServeOptions(max_batch=max_batch, token_budget=token_budget, speculate=speculate,
                            drafter=drafter, api_key=api_key, model_name=served_model_name,
                            default_max_tokens=default_max_tokens)

@@ -202,8 +202,9 @@ class _Planner:
             if ref.slot == 0:
                 size = ref.numel * ref.dtype.itemsize
                 out.append((arena[ref.offset:ref.offset + size].view(ref.dtype).view(ref.shape), None))
-            elif ref.slot in self.feed_slots and ref.offset == 0:
-                out.append((None, self.feed_slots.index(ref.slot)))
+            elif (ref.slot in self.feed_slots and ref.offset == 0
+                  and ref.shape == tuple(self.feeds[self.feed_slots.index(ref.slot)].dims)):
+                out.append((None, self.feed_slots.index(ref.slot)))  # a cache written in place
             else:
                 raise _Unsupported(f"root {root} is a view of a weight or an input")
         return NativeSteps(self.lib, records, pointers, self.feed_slots, out,
