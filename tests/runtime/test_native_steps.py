@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fuel.graph import DType, FusedOpParams, FusedOps, Graph, OpKind, lower
+from fuel.graph.dtype import BackendId
 from fuel.kernels import cpu_table
 from fuel.runtime import compile_program
 from fuel.runtime.native_steps import Declined, NativeSteps
@@ -81,11 +82,87 @@ def test_a_decode_layer_of_stock_kernels_runs_as_one_call_with_the_per_node_resu
     # Views are offsets: fewer native kernels than the program's steps.
     views = sum(g.node(n).op.kind in (OpKind.RESHAPE, OpKind.UNSQUEEZE, OpKind.PERMUTE, OpKind.SELECT)
                 for n in program.executed if hasattr(g.node(n).op, "kind"))
-    assert program.native.kernels == len(program.executed) - views
+    # Products of one activation share a step; row-wise kernels after them are its epilogue.
+    assert program.native.layout == (
+        "gather", "rms_norm", "matmul", "gather", "gather", "rope", "kv_write",
+        "matmul x2 + silu_mul", "matmul x1 + add + argmax")
+    assert program.native.kernels == 9 < len(program.executed) - views
     assert program.host_calls == 1
     fast, slow = _both(program, _feeds(3, 5, 6))
     torch.testing.assert_close(fast[out], slow[out], rtol=1e-6, atol=1e-6)
     assert fast[token].tolist() == slow[token].tolist() and fast[token].shape == (1, 1)
+
+
+def test_fused_steps_compute_the_unfused_records_bit_for_bit(monkeypatch):
+    g, (out, token, written) = _decode_layer_graph()
+    fused = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    monkeypatch.setenv("FUEL_FUSED_STEPS", "0")
+    plain = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    views = sum(g.node(n).op.kind in (OpKind.RESHAPE, OpKind.UNSQUEEZE, OpKind.PERMUTE, OpKind.SELECT)
+                for n in plain.executed if hasattr(g.node(n).op, "kind"))
+    assert plain.native.kernels == len(plain.executed) - views == 13  # one kernel a record
+    assert all(" + " not in step and " x" not in step for step in plain.native.layout)
+    one, other = _feeds(3, 5, 6), _feeds(3, 5, 6)
+    a, b = fused.run(one), plain.run(other)
+    assert torch.equal(a[out], b[out]) and torch.equal(a[token], b[token])
+    assert torch.equal(one["cache"], other["cache"])
+
+
+def _q4_1_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random q4_1 rows (``cols / 32`` blocks of f16 d, f16 m, 16 nibble bytes each)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, cols // 32, 20), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(rows, cols // 32, 2, generator=gen) * 0.1).half()
+    blocks[..., 0:4] = scales.view(torch.uint8).reshape(rows, cols // 32, 4)
+    return blocks.reshape(rows, -1)
+
+
+def test_quantized_products_of_one_activation_round_it_once_with_the_unfused_results(monkeypatch):
+    from fuel.graph.ir import Fused
+    from fuel.jit.native_synth import _QuantRunner
+    from fuel.kernels import native
+    from fuel.kernels.quant_blocks import dequantize
+    from fuel.kernels.table import KernelEntry, op_key
+
+    lib = native.load()
+    g = Graph()
+    x = g.input("x", [1, 64], F32)
+    weights = {name: _q4_1_rows(rows, 64, seed) for seed, (name, rows) in
+               enumerate((("wg", 48), ("wu", 48), ("wo", 40)))}
+    params = FusedOpParams.QuantLinear(layout="q4_1", cols=64)
+    gate, up, other = (g.fused(FusedOps.QUANT_LINEAR, params, x, g.weight(name, [rows, 40], U8))
+                       for name, rows in (("wg", 48), ("wu", 48), ("wo", 40)))
+    act = g.fused(FusedOps.SILU_MUL, FusedOpParams.SiluMul(), gate, up)
+    table = cpu_table()
+    table.bind(op_key(Fused(FusedOps.QUANT_LINEAR, params)), (F32, U8, F32), BackendId.CPU,
+               KernelEntry(lambda node: _QuantRunner(lib, "q4_1", 64, "q8"),
+                           kernel_source="jit.native.cpu.q8"))
+    fused = compile_program(g, lower(g, [act, other]), table, weights=weights)
+    assert fused.native.layout == ("matmul_q8 x3 + silu_mul",)
+    monkeypatch.setenv("FUEL_FUSED_STEPS", "0")
+    plain = compile_program(g, lower(g, [act, other]), table, weights=weights)
+    assert plain.native.layout == ("matmul_q8", "matmul_q8", "matmul_q8", "silu_mul")
+    feed = {"x": torch.randn(1, 64, generator=torch.Generator().manual_seed(9))}
+    a, b = fused.run(feed), plain.run(feed)
+    assert torch.equal(a[act], b[act]) and torch.equal(a[other], b[other])
+    reference = feed["x"] @ dequantize(weights["wo"], "q4_1", 64).T
+    torch.testing.assert_close(a[other], reference, rtol=0.05, atol=0.05)  # 8-bit activations
+
+
+def test_a_product_is_not_moved_past_a_step_that_writes_its_activations():
+    from fuel.runtime import native_steps as ns
+
+    x = ns._Ref(1, 0, (1, 8), torch.float32)  # a fed tensor that a KV write updates in place
+    w1, w2 = ns._Ref(2, 0, (4, 8), torch.float32), ns._Ref(3, 0, (4, 8), torch.float32)
+    out1, out2 = ns._Ref(0, 0, (1, 4), torch.float32), ns._Ref(0, 64, (1, 4), torch.float32)
+    rows, slots = ns._Ref(0, 128, (1, 8), torch.float32), ns._Ref(4, 0, (1,), torch.int64)
+    first = (ns._MATMUL, (x, w1, out1), (0, 1, 4, 8, 32), ())
+    write = (ns._KV_WRITE, (x, rows, slots), (1, 8, 1), ())
+    second = (ns._MATMUL, (x, w2, out2), (0, 1, 4, 8, 32), ())
+    assert [head for head, _ in ns.fuse([first, write, second])] == [first, write, second]
+    # Without the write in between, both products share one step.
+    heads = ns.fuse([first, second])
+    assert len(heads) == 1 and heads[0][0][0] == ns._FUSED and heads[0][0][2][4] == 2
 
 
 def test_the_kv_write_of_a_step_list_lands_in_the_fed_cache():

@@ -28,6 +28,19 @@ Invariants:
   block outside the cache) returns None: the caller runs the per-node path, which raises the
   precise error or computes the same values.
 - ``FUEL_NATIVE_STEPS=0`` turns step lists off (every program runs node by node).
+
+**Fused steps** (:func:`fuse`, ``FUEL_FUSED_STEPS=0`` off). Once laid out, the records are
+grouped: a product takes along the later products of the same activations in the same format (a
+layer's q, k and v; gate and up), which run as one kernel (the activations rounded to 8 bits or
+summed once, every weight row shared out in one parallel region of torch's pool instead of one
+region each), followed by the serial row-wise records that read what it wrote, as its epilogue
+(a GEMM with an epilogue, as CUTLASS composes one): rope, the KV writes and decode attention;
+silu_mul; residual_add_rms_norm; argmax over the logits. A SmolLM2 decode step goes from ~460
+kernels to ~126, four a layer: ``qkv + rope + kv writes + attention``, ``o + residual norm``,
+``gate/up + silu_mul``, ``down + residual norm``. A record moves up only past records that
+neither write what it reads nor touch what it writes, and every output row is computed by the
+same row kernel over the same tiles as unfused, so the results are the unfused records' bit for
+bit (tests hold both to that).
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ from fuel.kernels.torch_kernels import NATIVE_WEIGHT_FORMATS, torch_dtype
 ENV = "FUEL_NATIVE_STEPS"
 
 _MATMUL, _MATMUL_Q8, _DEQUANTIZE, _ROPE, _ARGMAX, _KV_WRITE, _PAGED, _RESIDUAL_NORM = 1, 2, 3, 4, 5, 6, 7, 8
-_RMS_NORM, _SILU_MUL, _ADD, _GATHER = 9, 10, 11, 12
+_RMS_NORM, _SILU_MUL, _ADD, _GATHER, _FUSED = 9, 10, 11, 12, 13
 _ALIGN = 64
 
 
@@ -58,8 +71,8 @@ _INDEX_BYTES = {torch.int64: 8, torch.int32: 4, torch.uint32: 4}
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("slot", ctypes.c_int64 * 6),
-                ("offset", ctypes.c_int64 * 6), ("n", ctypes.c_int64 * 10),
+    _fields_ = [("kind", ctypes.c_int64), ("slot", ctypes.c_int64 * 9),
+                ("offset", ctypes.c_int64 * 9), ("n", ctypes.c_int64 * 14),
                 ("f", ctypes.c_float * 2)]
 
 
@@ -92,12 +105,130 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+FUSE_ENV = "FUEL_FUSED_STEPS"
+"""``FUEL_FUSED_STEPS=0`` keeps every product its own step (no fused steps: :func:`fuse`)."""
+
+
+def fusing_enabled() -> bool:
+    return os.environ.get(FUSE_ENV, "1") != "0"
+
+
+# Fused steps ------------------------------------------------------------------------------
+_FUSED_MAX = 4
+"""Products one fused step holds (``FUSED_MAX`` in steps.c)."""
+_HOIST_WINDOW = 8
+"""How many records ahead a product sharing the activations is looked for."""
+_EPILOGUE_MAX = 8
+_EPILOGUE_KINDS = frozenset({_ROPE, _KV_WRITE, _PAGED, _RESIDUAL_NORM, _RMS_NORM, _SILU_MUL, _ADD,
+                             _ARGMAX})
+"""Serial row-wise kernels a fused step may run after its products (its epilogue)."""
+_ACCESS = {  # kind -> (operands read, operands written)
+    _MATMUL: ((0, 1), (2,)), _MATMUL_Q8: ((0, 1), (2,)), _DEQUANTIZE: ((0,), (1,)),
+    _ROPE: ((0, 1, 2), (3,)), _ARGMAX: ((0,), (1,)), _KV_WRITE: ((0, 1, 2), (0,)),
+    _PAGED: ((0, 1, 2, 3, 4), (5,)), _RESIDUAL_NORM: ((0, 1, 2), (3,)),
+    _RMS_NORM: ((0, 1), (2,)), _SILU_MUL: ((0, 1), (2,)), _ADD: ((0, 1), (2,)),
+    _GATHER: ((0, 1), (2,)),
+}
+
+
+_NAMES = {_MATMUL: "matmul", _MATMUL_Q8: "matmul_q8", _DEQUANTIZE: "dequantize", _ROPE: "rope",
+          _ARGMAX: "argmax", _KV_WRITE: "kv_write", _PAGED: "paged_attn",
+          _RESIDUAL_NORM: "residual_add_rms_norm", _RMS_NORM: "rms_norm", _SILU_MUL: "silu_mul",
+          _ADD: "add", _GATHER: "gather"}
+
+
+def _describe(head, epilogue) -> str:
+    if head[0] != _FUSED:
+        return _NAMES[head[0]]
+    products = f"{_NAMES[_MATMUL_Q8 if head[2][1] else _MATMUL]} x{head[2][4]}"
+    return " + ".join([products, *(_NAMES[r[0]] for r in epilogue)])
+
+
+def _extent(ref: _Ref) -> tuple[int, int, int]:
+    return ref.slot, ref.offset, ref.offset + max(ref.numel * ref.dtype.itemsize, 1)
+
+
+def _touches(record, which: int) -> list[tuple[int, int, int]]:
+    kind, operands = record[0], record[1]
+    return [_extent(operands[k]) for k in _ACCESS[kind][which] if operands[k] is not None]
+
+
+def _overlap(a, b) -> bool:
+    return any(s == t and lo < hi2 and lo2 < hi for s, lo, hi in a for t, lo2, hi2 in b)
+
+
+def _independent(earlier, later) -> bool:
+    """Whether ``later`` may run before ``earlier`` (neither writes what the other touches)."""
+    reads_e, writes_e = _touches(earlier, 0), _touches(earlier, 1)
+    reads_l, writes_l = _touches(later, 0), _touches(later, 1)
+    return not (_overlap(writes_e, reads_l) or _overlap(writes_e, writes_l)
+                or _overlap(reads_e, writes_l))
+
+
+def fuse(records: list) -> list[tuple[Any, tuple]]:
+    """The records as (head, epilogue) pairs, one step each: a product (``_MATMUL`` /
+    ``_MATMUL_Q8``) takes along the later products of the same activations in the same format
+    (q, k and v; gate and up), moved up past the records between where nothing reads or writes
+    what they touch, and then the run of serial row-wise records that follows and reads what
+    the step wrote (rope, the KV writes and attention; silu_mul; residual_add_rms_norm; argmax
+    over the logits) as its epilogue. Every other record is its own step. Program order is kept
+    wherever a value flows, so the results are the unfused records' (steps.c: bit for bit)."""
+    done = [False] * len(records)
+    out: list[tuple[Any, tuple]] = []
+    for i, record in enumerate(records):
+        if done[i]:
+            continue
+        done[i] = True
+        kind = record[0]
+        if kind not in (_MATMUL, _MATMUL_Q8):
+            out.append((record, ()))
+            continue
+        x, fmt, rows, cols = record[1][0], record[2][0], record[2][1], record[2][3]
+        group, passed = [record], []
+        for j in range(i + 1, min(len(records), i + 1 + _HOIST_WINDOW)):
+            if done[j]:
+                continue
+            other = records[j]
+            if (len(group) < _FUSED_MAX and other[0] == kind and other[1][0] == x
+                    and other[2][0] == fmt and other[2][1] == rows and other[2][3] == cols
+                    and all(_independent(p, other) for p in passed)):
+                group.append(other)
+                done[j] = True
+            else:
+                passed.append(other)
+        written = [e for r in group for e in _touches(r, 1)]
+        epilogue = []
+        for j in range(i + 1, len(records)):
+            if done[j]:
+                continue
+            other = records[j]
+            if (other[0] not in _EPILOGUE_KINDS or len(epilogue) == _EPILOGUE_MAX
+                    or not _overlap(_touches(other, 0), written)):
+                break
+            epilogue.append(other)
+            written += _touches(other, 1)
+            done[j] = True
+        if len(group) == 1 and not epilogue:
+            out.append((record, ()))
+            continue
+        operands = [x] + [r[1][1] for r in group] + [None] * (_FUSED_MAX - len(group))
+        operands += [r[1][2] for r in group] + [None] * (_FUSED_MAX - len(group))
+        pad = [0] * (_FUSED_MAX - len(group))
+        ints = (fmt, int(kind == _MATMUL_Q8), rows, cols, len(group),
+                *[r[2][2] for r in group], *pad, *[r[2][4] for r in group], *pad, len(epilogue))
+        out.append(((_FUSED, tuple(operands), ints, ()), tuple(epilogue)))
+    return out
+
+
 class NativeSteps:
     """A program laid out for ``fuel_run_steps``: :meth:`run` with the fed tensors."""
 
-    def __init__(self, lib, records, table, feed_slots, roots, keep):
+    def __init__(self, lib, records, table, feed_slots, roots, keep, layout):
         self._call = lib.run_steps
         self._records = records
+        self.layout: tuple[str, ...] = layout
+        """What each step runs, in order: a kernel's name (``rope``), or a fused step's products
+        and epilogue (``matmul_q8 x3 + rope + rope + kv_write + kv_write + paged_attn``)."""
         self._table = table
         self._feed_slots = feed_slots
         self._roots = roots  # (arena view, None) or (None, feed index)
@@ -107,8 +238,9 @@ class NativeSteps:
 
     @property
     def kernels(self) -> int:
-        """Native kernels one run makes (views cost nothing and are not counted)."""
-        return len(self._records)
+        """Native kernels one run makes (views cost nothing and are not counted; a fused step,
+        its products and its epilogue, is one)."""
+        return len(self.layout)
 
     def run(self, fed: list[Any]) -> tuple[Any, ...] | None:
         """The roots' values, or None where the per-node path must run instead (module docs)."""
@@ -187,8 +319,10 @@ class _Planner:
         for slot, tensor in enumerate(self.slots):
             if tensor is not None:
                 pointers[slot] = tensor.data_ptr()
-        records = (_Step * len(self.records))()
-        for record, (kind, operands, ints, floats) in zip(records, self.records):
+        fused = fuse(self.records) if fusing_enabled() else [(r, ()) for r in self.records]
+        flat = [r for head, epilogue in fused for r in (head, *epilogue)]
+        records = (_Step * len(flat))()
+        for record, (kind, operands, ints, floats) in zip(records, flat):
             record.kind = kind
             for k, ref in enumerate(operands):
                 record.slot[k], record.offset[k] = (-1, 0) if ref is None else (ref.slot, ref.offset)
@@ -208,7 +342,8 @@ class _Planner:
             else:
                 raise _Unsupported(f"root {root} is a view of a weight or an input")
         return NativeSteps(self.lib, records, pointers, self.feed_slots, out,
-                           (arena, [t for t in self.slots if t is not None]))
+                           (arena, [t for t in self.slots if t is not None]),
+                           tuple(_describe(head, epilogue) for head, epilogue in fused))
 
     def _alloc(self, shape, dtype) -> _Ref:
         offset = self.arena_bytes

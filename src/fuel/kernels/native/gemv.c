@@ -658,19 +658,21 @@ INLINE void tile_rows(const int fmt, const float *x, const uint8_t *w, float *ou
 
 /* out[M, N] = x[M, K] @ W[N, K]^T for weights in format `fmt`, on `threads` threads of the
    OpenMP runtime torch uses. Returns 0, or -1 for a format or width it cannot run. */
-int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
-                int64_t K, int64_t row_bytes, int threads) {
+/* What fuel_matmul computes before its rows: 0 and *xs the per-32 activation sums where the
+   format reads them (NULL where it needs none: free() it either way), or -1 for a format or
+   width it cannot run (or no memory). */
+int fuel_matmul_prepare(int fmt, const float *x, int64_t M, int64_t K, float **xs_out) {
     const int quant = block_bytes(fmt) > 0;
+    *xs_out = NULL;
     if (quant && K % block_elems(fmt)) return -1;
     if (!quant && fmt != F32 && fmt != F16 && fmt != BF16) return -1;
-    float *xs = NULL;
 #ifdef __AVX2__
     const int sums = quant && block_elems(fmt) == 32;  /* the K-quants decode weights instead */
 #else
     const int sums = quant;
 #endif
     if (sums) {  /* per-32 activation sums, once per row */
-        xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32) + 1));
+        float *xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32) + 1));
         if (!xs) return -1;
         for (int64_t m = 0; m < M; m++)
             for (int64_t b = 0; b < K / 32; b++) {
@@ -678,7 +680,37 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
                 for (int j = 0; j < 32; j++) s += x[m * K + b * 32 + j];
                 xs[m * (K / 32) + b] = s;
             }
+        *xs_out = xs;
     }
+    return 0;
+}
+
+/* Weight rows [n0, n1) of fuel_matmul's product, serial, with fuel_matmul_prepare's sums: the
+   unit the fused steps (steps.c) share out inside their own parallel region. */
+void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, const float *xs,
+                      int64_t M, int64_t N, int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+    switch (fmt) {
+    case F32: tile_rows(F32, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case F16: tile_rows(F16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case BF16: tile_rows(BF16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case Q4_0: tile_rows(Q4_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case Q4_1: tile_rows(Q4_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case Q5_0: tile_rows(Q5_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case Q5_1: tile_rows(Q5_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case Q4_K: tile_rows(Q4_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case Q5_K: tile_rows(Q5_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case Q6_K: tile_rows(Q6_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    default: tile_rows(Q8_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    }
+}
+
+/* Weight rows a scheduling unit (the tiles every product here is split into). */
+int64_t fuel_matmul_tile(void) { return TILE; }
+
+int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
+                int64_t K, int64_t row_bytes, int threads) {
+    float *xs = NULL;
+    if (fuel_matmul_prepare(fmt, x, M, K, &xs)) return -1;
     FOR_TILES(N, K, threads, {
         switch (fmt) {
         case F32: tile_rows(F32, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
@@ -1124,6 +1156,34 @@ INLINE void q8_tile(const int fmt, const uint8_t *w, float *out, const Q8Rows *a
 
 /* out[M, N] = q8(x)[M, K] @ W[N, K]^T for the 32-weight block formats (see above). Returns 0, or
    -1 for another format, a K that splits a block, or no memory. */
+/* The activation rows fuel_matmul_q8 rounds (its first half), for the fused steps: NULL for a
+   format or width it cannot run (or no memory); fuel_q8_release frees them. */
+void *fuel_q8_prepare(int fmt, const float *x, int64_t M, int64_t K) {
+    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0) return NULL;
+    if (K % 32 || K <= 0) return NULL;
+    Q8Rows *a = (Q8Rows *)malloc(sizeof(Q8Rows));
+    if (!a) return NULL;
+    if (q8_prepare(fmt, x, M, K, a)) { free(a); return NULL; }
+    return a;
+}
+
+void fuel_q8_release(void *rows) {
+    if (rows) { free(((Q8Rows *)rows)->mem); free(rows); }
+}
+
+/* Weight rows [n0, n1) of fuel_matmul_q8's product (its second half), serial. */
+void fuel_matmul_q8_rows(int fmt, const uint8_t *w, float *out, const void *rows, int64_t M,
+                         int64_t N, int64_t row_bytes, int64_t n0, int64_t n1) {
+    const Q8Rows *a = (const Q8Rows *)rows;
+    switch (fmt) {
+    case Q4_0: q8_tile(Q4_0, w, out, a, M, N, row_bytes, n0, n1); break;
+    case Q4_1: q8_tile(Q4_1, w, out, a, M, N, row_bytes, n0, n1); break;
+    case Q5_0: q8_tile(Q5_0, w, out, a, M, N, row_bytes, n0, n1); break;
+    case Q5_1: q8_tile(Q5_1, w, out, a, M, N, row_bytes, n0, n1); break;
+    default: q8_tile(Q8_0, w, out, a, M, N, row_bytes, n0, n1); break;
+    }
+}
+
 int fuel_matmul_q8(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
                    int64_t K, int64_t row_bytes, int threads) {
     if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0) return -1;

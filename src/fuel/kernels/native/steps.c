@@ -10,24 +10,29 @@
 
    An operand is (slot, byte offset): `table[slot] + offset`. Slots are the fed tensors (their
    addresses change per run, the caller fills them), the weights and constants, and the arena.
+   A fused step (STEP_FUSED, built by native_steps.fuse) runs up to four products of one
+   activation in one parallel region, then the records after it as its epilogue.
    Returns 0, or 1 + the index of the first step that refused its operands (a KV slot or a
    block outside the cache, an index outside a gather's source): the steps before it ran; the
    caller runs the program again step by step, which raises the precise error. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum {
     STEP_MATMUL = 1, STEP_MATMUL_Q8 = 2, STEP_DEQUANTIZE = 3, STEP_ROPE = 4, STEP_ARGMAX = 5,
     STEP_KV_WRITE = 6, STEP_PAGED_ATTN = 7, STEP_RESIDUAL_RMS_NORM = 8, STEP_RMS_NORM = 9,
-    STEP_SILU_MUL = 10, STEP_ADD = 11, STEP_GATHER = 12,
+    STEP_SILU_MUL = 10, STEP_ADD = 11, STEP_GATHER = 12, STEP_FUSED = 13,
 };
+
+enum { FUSED_MAX = 4 };  /* products a fused step shares one activation read among */
 
 typedef struct {
     int64_t kind;
-    int64_t slot[6];
-    int64_t offset[6];
-    int64_t n[10];
+    int64_t slot[9];
+    int64_t offset[9];
+    int64_t n[14];
     float f[2];
 } fuel_step;
 
@@ -48,6 +53,14 @@ int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void
                     float scale, float softcap);
 void fuel_residual_rms_norm(const float *x, const float *residual, const float *gain, float *out,
                             int64_t R, int64_t H, float eps);
+int fuel_matmul_prepare(int fmt, const float *x, int64_t M, int64_t K, float **xs_out);
+void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, const float *xs,
+                      int64_t M, int64_t N, int64_t K, int64_t row_bytes, int64_t n0, int64_t n1);
+int64_t fuel_matmul_tile(void);
+void *fuel_q8_prepare(int fmt, const float *x, int64_t M, int64_t K);
+void fuel_q8_release(void *rows);
+void fuel_matmul_q8_rows(int fmt, const uint8_t *w, float *out, const void *rows, int64_t M,
+                         int64_t N, int64_t row_bytes, int64_t n0, int64_t n1);
 
 /* rms_norm of R rows of H: x * rsqrt(mean(x*x) + eps) (* gain when given), f32 sums. */
 void fuel_rms_norm(const float *x, const float *gain, float *out, int64_t R, int64_t H, float eps) {
@@ -75,64 +88,121 @@ static inline int64_t index_at(const void *p, int64_t i, int64_t bytes) {
 
 #define P(k) ((void *)((char *)table[s->slot[k]] + s->offset[k]))
 
+/* One record (every kind but STEP_FUSED): 0, or nonzero when it refused its operands. */
+static int run_one(const fuel_step *s, void *const *table, int threads) {
+    const int64_t *n = s->n;
+    int status = 0;
+    switch (s->kind) {
+    case STEP_MATMUL:
+        status = fuel_matmul((int)n[0], P(0), P(1), P(2), n[1], n[2], n[3], n[4], threads);
+        break;
+    case STEP_MATMUL_Q8:
+        status = fuel_matmul_q8((int)n[0], P(0), P(1), P(2), n[1], n[2], n[3], n[4], threads);
+        break;
+    case STEP_DEQUANTIZE:
+        status = fuel_dequantize((int)n[0], P(0), P(1), n[1], n[2], n[3], 1);
+        break;
+    case STEP_ROPE:
+        fuel_rope(P(0), n[1] * n[2], n[2], P(1), P(2), P(3), n[0], n[1], n[2]);
+        break;
+    case STEP_ARGMAX:
+        fuel_argmax(P(0), n[0], n[1], P(1));
+        break;
+    case STEP_KV_WRITE:
+        status = fuel_kv_write(P(0), n[0], n[1], P(1), P(2), n[2]);
+        break;
+    case STEP_PAGED_ATTN:
+        status = fuel_paged_attn(P(0), P(1), P(2), P(3), P(4), P(5), n[0], n[1], n[2], n[3],
+                                 n[4], n[5], n[6], n[7], (int)n[8], s->f[0], s->f[1]);
+        break;
+    case STEP_RESIDUAL_RMS_NORM:
+        fuel_residual_rms_norm(P(0), P(1), P(2), P(3), n[0], n[1], s->f[0]);
+        break;
+    case STEP_RMS_NORM:
+        fuel_rms_norm(P(0), s->slot[1] < 0 ? NULL : P(1), P(2), n[0], n[1], s->f[0]);
+        break;
+    case STEP_SILU_MUL:
+        fuel_silu_mul(P(0), P(1), P(2), n[0]);
+        break;
+    case STEP_ADD: {
+        const float *a = P(0), *b = P(1);
+        float *o = P(2);
+        for (int64_t j = 0; j < n[0]; j++) o[j] = a[j] + b[j];
+        break;
+    }
+    case STEP_GATHER: {  /* rows of n[1] bytes, n[0] indices into n[2] source rows */
+        const char *src = P(0);
+        const void *index = P(1);
+        char *out = P(2);
+        for (int64_t j = 0; j < n[0]; j++) {
+            const int64_t row = index_at(index, j, n[3]);
+            if (row < 0 || row >= n[2]) return 1;
+            memcpy(out + j * n[1], src + row * n[1], (size_t)n[1]);
+        }
+        break;
+    }
+    default:
+        status = -1;
+    }
+    return status;
+}
+
+/* A fused step: up to FUSED_MAX products of one activation x[M, K] by weights of one format
+   (slot 0: x; slots 1..4 the weights, 5..8 the outputs; n: fmt, 8-bit activations, M, K, count,
+   N[4], row_bytes[4], epilogue length), their tiles shared out in ONE parallel region (the
+   activations rounded or summed once), then the epilogue: the n[13] records that follow it,
+   row-wise kernels reading what the products wrote while it is in cache (a GEMM with an
+   epilogue, as CUTLASS composes one). Each output row is computed exactly as the unfused
+   fuel_matmul / fuel_matmul_q8 computes it (the same tiles of TILE rows, the same row kernel),
+   so the results are the unfused records' bit for bit. */
+static int run_fused(const fuel_step *s, void *const *table, int threads) {
+    const int64_t *n = s->n;
+    const int fmt = (int)n[0], q8 = (int)n[1];
+    const int64_t M = n[2], K = n[3], count = n[4];
+    if (count < 1 || count > FUSED_MAX) return -1;
+    const float *x = P(0);
+    void *rows = NULL;
+    float *xs = NULL;
+    if (q8) {
+        if (!(rows = fuel_q8_prepare(fmt, x, M, K))) return -1;
+    } else if (fuel_matmul_prepare(fmt, x, M, K, &xs)) {
+        return -1;
+    }
+    const int64_t tile = fuel_matmul_tile();
+    int64_t first[FUSED_MAX + 1], work = 0;
+    first[0] = 0;
+    for (int64_t j = 0; j < count; j++) {
+        first[j + 1] = first[j] + (n[5 + j] + tile - 1) / tile;
+        work += n[5 + j] * K;
+    }
+    const int64_t tiles = first[count];
+    const int parallel = threads > 1 && work >= 65536;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t j = 0;
+        while (t >= first[j + 1]) j++;
+        const int64_t N = n[5 + j], n0 = (t - first[j]) * tile, n1 = n0 + tile < N ? n0 + tile : N;
+        const uint8_t *w = (const uint8_t *)table[s->slot[1 + j]] + s->offset[1 + j];
+        float *out = (float *)((char *)table[s->slot[5 + j]] + s->offset[5 + j]);
+        if (q8) fuel_matmul_q8_rows(fmt, w, out, rows, M, N, n[9 + j], n0, n1);
+        else fuel_matmul_rows(fmt, x, w, out, xs, M, N, K, n[9 + j], n0, n1);
+    }
+    fuel_q8_release(rows);
+    free(xs);
+    for (int64_t e = 1; e <= n[13]; e++)
+        if (run_one(s + e, table, threads) != 0) return 1;
+    return 0;
+}
+
 int fuel_run_steps(const fuel_step *steps, int64_t count, void *const *table, int threads) {
     for (int64_t i = 0; i < count; i++) {
         const fuel_step *s = steps + i;
-        const int64_t *n = s->n;
-        int status = 0;
-        switch (s->kind) {
-        case STEP_MATMUL:
-            status = fuel_matmul((int)n[0], P(0), P(1), P(2), n[1], n[2], n[3], n[4], threads);
-            break;
-        case STEP_MATMUL_Q8:
-            status = fuel_matmul_q8((int)n[0], P(0), P(1), P(2), n[1], n[2], n[3], n[4], threads);
-            break;
-        case STEP_DEQUANTIZE:
-            status = fuel_dequantize((int)n[0], P(0), P(1), n[1], n[2], n[3], 1);
-            break;
-        case STEP_ROPE:
-            fuel_rope(P(0), n[1] * n[2], n[2], P(1), P(2), P(3), n[0], n[1], n[2]);
-            break;
-        case STEP_ARGMAX:
-            fuel_argmax(P(0), n[0], n[1], P(1));
-            break;
-        case STEP_KV_WRITE:
-            status = fuel_kv_write(P(0), n[0], n[1], P(1), P(2), n[2]);
-            break;
-        case STEP_PAGED_ATTN:
-            status = fuel_paged_attn(P(0), P(1), P(2), P(3), P(4), P(5), n[0], n[1], n[2], n[3],
-                                     n[4], n[5], n[6], n[7], (int)n[8], s->f[0], s->f[1]);
-            break;
-        case STEP_RESIDUAL_RMS_NORM:
-            fuel_residual_rms_norm(P(0), P(1), P(2), P(3), n[0], n[1], s->f[0]);
-            break;
-        case STEP_RMS_NORM:
-            fuel_rms_norm(P(0), s->slot[1] < 0 ? NULL : P(1), P(2), n[0], n[1], s->f[0]);
-            break;
-        case STEP_SILU_MUL:
-            fuel_silu_mul(P(0), P(1), P(2), n[0]);
-            break;
-        case STEP_ADD: {
-            const float *a = P(0), *b = P(1);
-            float *o = P(2);
-            for (int64_t j = 0; j < n[0]; j++) o[j] = a[j] + b[j];
-            break;
+        if (s->kind == STEP_FUSED) {
+            if (run_fused(s, table, threads) != 0) return (int)(i + 1);
+            i += s->n[13];
+        } else if (run_one(s, table, threads) != 0) {
+            return (int)(i + 1);
         }
-        case STEP_GATHER: {  /* rows of n[1] bytes, n[0] indices into n[2] source rows */
-            const char *src = P(0);
-            const void *index = P(1);
-            char *out = P(2);
-            for (int64_t j = 0; j < n[0]; j++) {
-                const int64_t row = index_at(index, j, n[3]);
-                if (row < 0 || row >= n[2]) return (int)(i + 1);
-                memcpy(out + j * n[1], src + row * n[1], (size_t)n[1]);
-            }
-            break;
-        }
-        default:
-            status = -1;
-        }
-        if (status != 0) return (int)(i + 1);
     }
     return 0;
 }
