@@ -243,3 +243,47 @@ def test_moe_recipe_routes_each_token_through_its_top_k_experts_only():
                                         * (gate_up[e, 6:] @ h[t])))
                        for w, e in zip(weights, chosen.tolist()))
         assert torch.allclose(got[t], expected, atol=1e-5)
+
+
+def _half_cache_attention(kv_dtype, cache_dtype):
+    g = Graph()
+    q = g.input("q", [2, 6, 1, 16], DType.F32)
+    k, v = (g.input(name, [10, 4, 2, 16], cache_dtype) for name in ("k", "v"))
+    table, lens = g.input("table", [2, 3], DType.U32), g.input("lens", [2], DType.U32)
+    params = FusedOpParams.PagedAttn(0.25, 4, None, kv_dtype)
+    return g, g.fused(FusedOps.PAGED_ATTN, params, q, k, v, table, lens)
+
+
+def test_paged_attention_over_a_half_precision_cache_widens_only_the_rows_it_reads():
+    import torch
+
+    from fuel.graph import decompose, lower
+    from fuel.kernels import cpu_table
+    from fuel.runtime import compile_program
+
+    g, node = _half_cache_attention(DType.BF16, DType.BF16)
+    assert g.node(node).dtype is DType.F32  # the query's dtype
+    root = decompose(g, node)
+    assert root != node
+    casts = [n for n in ancestors(g, [root]) if getattr(g.node(n).op, "kind", None) is OpKind.CAST]
+    assert len(casts) == 2  # keys and values, after the gather: the cache itself is never cast
+    assert all(g.node(g.node(c).inputs[0]).shape.dims[0] == 2 for c in casts)  # [B, Hkv, L, D]
+    generator = torch.Generator().manual_seed(3)
+    feeds = {"q": torch.randn(2, 6, 1, 16, generator=generator),
+             "k": torch.randn(10, 4, 2, 16, generator=generator).bfloat16(),
+             "v": torch.randn(10, 4, 2, 16, generator=generator).bfloat16(),
+             "table": torch.tensor([[3, 1, 7], [0, 9, 2]], dtype=torch.uint32),
+             "lens": torch.tensor([11, 4], dtype=torch.uint32)}
+    got = compile_program(g, lower(g, [root]), cpu_table()).run(feeds)[root]
+    widened = dict(feeds, k=feeds["k"].float(), v=feeds["v"].float())
+    f32, reference = _half_cache_attention(None, DType.F32)
+    reference_root = decompose(f32, reference)
+    want = compile_program(f32, lower(f32, [reference_root]), cpu_table()).run(widened)[reference_root]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_dtype,cache_dtype", [(None, DType.BF16), (DType.BF16, DType.F32),
+                                                  (DType.F16, DType.BF16)])
+def test_paged_attention_refuses_caches_that_are_not_its_stated_kv_dtype(kv_dtype, cache_dtype):
+    with pytest.raises(ShapeError, match="paged_attn"):
+        _half_cache_attention(kv_dtype, cache_dtype)

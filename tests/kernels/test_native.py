@@ -431,6 +431,38 @@ def test_paged_attention_decode_equals_the_numba_template(lib, index, tmp_path):
         lib.paged_attn(q, k_cache, v_cache, torch.full_like(table, 10), lens, 0.25, None)
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_paged_attention_reads_a_half_precision_cache_as_its_widened_rows(lib, half):
+    """Half-precision caches: each row widened as it is read gives exactly what the f32 kernel
+    gives over the caches widened whole (the arithmetic after the load is the same)."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 1, 16, generator=generator)
+    k_cache, v_cache = (torch.randn(10, 4, 2, 16, generator=generator).to(half) for _ in range(2))
+    table = torch.stack([torch.randperm(10, generator=generator)[:3] for _ in range(2)])
+    lens = torch.tensor([11, 4])
+    got = lib.paged_attn(q, k_cache, v_cache, table, lens, 0.25, None)
+    want = lib.paged_attn(q, k_cache.float(), v_cache.float(), table, lens, 0.25, None)
+    assert got is not None and torch.equal(got, want)
+    assert lib.paged_attn(q.to(half), k_cache, v_cache, table, lens, 0.25, None) is None
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_rows_round_as_torch_rounds_them_and_land_in_a_half_cache(lib, half):
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(4096, generator=generator) * torch.logspace(-30, 30, 4096)
+    x[:6] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 65504.0, 65520.0])
+    rounded = lib.cast_half(x, half)
+    assert torch.equal(rounded.view(torch.int16), x.to(half).view(torch.int16))
+    assert lib.cast_half(torch.tensor([float("nan")]), half).isnan().all()
+    cache = torch.zeros(4, 2, 3, 5, dtype=half)
+    rows = torch.randn(3, 3, 5, generator=generator).to(half)
+    slots = torch.tensor([7, 0, 4])
+    want = cache.clone()
+    want.view(-1, 3, 5).index_copy_(0, slots, rows)
+    assert lib.kv_write(cache, rows, slots) and torch.equal(cache, want)
+    assert not lib.kv_write(cache, rows.float(), slots)  # rows must be the cache's dtype
+
+
 @pytest.mark.parametrize("layout", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k",
                                     "q6_k", "f16", "bf16"])
 def test_native_dequantize_is_bit_equal_to_the_gguf_reference(lib, layout):

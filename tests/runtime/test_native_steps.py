@@ -322,3 +322,49 @@ def test_a_root_that_is_a_reshaped_view_of_a_fed_cache_is_declined_not_returned_
     out = program.run({"cache": torch.zeros(4, 2, 1, 4), "rows": torch.ones(1, 1, 4),
                        "slots": torch.tensor([3])})[flat]
     assert out.shape == (8, 4) and out[3].tolist() == [1.0] * 4 and out.sum() == 4
+
+
+@pytest.fixture(scope="module")
+def bf16_jit_engine(fuel_cache, tmp_path_factory):
+    """SmolLM2 in bf16 (matrices and KV cache) with the CPU synthesizer fuel runs with."""
+    from fuel.jit.native_synth import CpuSynthesizer
+    from fuel.runtime.engine import Engine
+    from fuel.runtime.model import jit_options
+    from fuel.runtime.weights import load_weights
+
+    torch.set_num_threads(2)
+    weights = load_weights(dtype="bf16", cache=fuel_cache, progress=False)
+    table = cpu_table()
+    options = jit_options(table, store_path=tmp_path_factory.mktemp("bf16") / "judge.sqlite",
+                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
+    options.jit.profile_options = {"warmup": 1, "repeats": 5, "min_sample_ns": 50_000}
+    return Engine(weights, max_context=256, table=table, optimize_options=options)
+
+
+def test_a_bf16_decode_step_keeps_its_kv_cache_in_bf16_in_one_call_with_the_per_node_logits(
+        bf16_jit_engine, smollm2_tokenizer):
+    from fuel.circuit.rules import Mode
+    from fuel.runtime.generate import prefill
+
+    engine = bf16_jit_engine
+    assert engine.kv_dtype == torch.bfloat16
+    prompt = smollm2_tokenizer.encode("The quick brown fox")
+    for name in ("fast", "slow"):
+        engine.add_sequence(name)
+        prefill(engine, name, prompt)
+    try:
+        token = prompt[-1]
+        for _ in range(3):
+            fast = engine.step(Mode.DECODE, [("fast", [token])])
+            slow = engine.step(Mode.DECODE, [("slow", [token])], timed=True)  # node by node
+            steps = fast.program.program.native
+            assert isinstance(steps, NativeSteps), steps
+            # rows rounded to bf16 as they are written, inside the attention's fused step
+            assert any("cast + kv_write" in step and "paged_attn" in step for step in steps.layout)
+            torch.testing.assert_close(fast.logits, slow.logits, rtol=1e-5, atol=1e-4)
+            assert fast.tokens == slow.tokens
+            token = fast.tokens[-1]
+        assert engine._caches and all(c.dtype == torch.bfloat16 for c in engine._caches.values())
+    finally:
+        engine.free("fast")
+        engine.free("slow")

@@ -123,6 +123,10 @@ class PagedAttn:
     softmax_scale: float
     block_size: int
     softcap: float | None = None
+    kv_dtype: DType | None = None
+    """The caches' element dtype where it is not the query's (a bf16/f16 cache read by f32
+    queries: each gathered row widened to the query's dtype, never the whole cache); None: the
+    query's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +276,11 @@ def _recipe_paged(p: PagedAttn) -> PatternNode:
     offsets = op(OpKind.IOTA, Bind(1), dim=1, dtype=index_dtype)
     slots = op(OpKind.RESHAPE, op(OpKind.ADD, op(OpKind.UNSQUEEZE, block_base, dim=-1), offsets),
                shape=(DimOf(3, 0), -1))  # [B, M * block_size]
-    scores, v = _attend(q, _gather_cache(Bind(1), slots), _gather_cache(Bind(2), slots),
-                        DimOf(1, 2), p.softcap)
+    keys, values = _gather_cache(Bind(1), slots), _gather_cache(Bind(2), slots)
+    if p.kv_dtype is not None:  # rows widened as they are read: the cache stays half precision
+        keys = op(OpKind.CAST, keys, dtype=Slot("dtype"))
+        values = op(OpKind.CAST, values, dtype=Slot("dtype"))
+    scores, v = _attend(q, keys, values, DimOf(1, 2), p.softcap)
     key_pos = op(OpKind.IOTA, slots, dim=1, dtype=index_dtype)
     query_pos = op(OpKind.IOTA, q, dim=2, dtype=index_dtype)
     limit = op(OpKind.SUB, op(OpKind.ADD, op(OpKind.UNSQUEEZE, context_lens, dim=-1), query_pos),
@@ -433,7 +440,13 @@ def _rule_paged(p: PagedAttn, shapes, dtypes):
     _need("paged_attn", dtypes[3] in INDEX_DTYPES and dtypes[3] == dtypes[4],
           f"block_table/context_lens must share an index dtype, got {dtypes[3].value}/{dtypes[4].value}")
     _heads("paged_attn", q, k_cache.dims[2])
-    return q, _floats("paged_attn", dtypes[:3])
+    if p.kv_dtype is None:
+        return q, _floats("paged_attn", dtypes[:3])
+    _need("paged_attn", dtypes[1] == dtypes[2] == p.kv_dtype and p.kv_dtype.is_float
+          and dtypes[0].is_float and dtypes[0] != p.kv_dtype,
+          f"caches of kv_dtype {p.kv_dtype.value} and a query of another float dtype expected, "
+          f"got {', '.join(d.value for d in dtypes[:3])}")
+    return q, dtypes[0]
 
 
 def _rule_moe(p: Moe, shapes, dtypes):
@@ -495,7 +508,8 @@ SPECS: dict[FusedOps, FusedOpSpec] = {spec.id: spec for spec in (
     FusedOpSpec(FusedOps.PAGED_ATTN, "paged_attn", PagedAttn, lambda p: 5, _rule_paged,
                 _recipe_paged,
                 lambda p, d: {"softmax_scale": p.softmax_scale, "block_size": p.block_size,
-                              "index_dtype": d[3], **_softcap_slots(p.softcap)}),
+                              "index_dtype": d[3], **_softcap_slots(p.softcap),
+                              **({} if p.kv_dtype is None else {"dtype": d[0]})}),
     FusedOpSpec(FusedOps.QUANT_LINEAR, "quant_linear", QuantLinear, lambda p: 2,
                 _rule_quant_linear, _recipe_quant_linear),
     FusedOpSpec(FusedOps.MOE, "moe", Moe, lambda p: 6 if p.shared else 4, _rule_moe, _recipe_moe,

@@ -6,7 +6,7 @@ Decides which tool answers a CPU request. The native library (``fuel.kernels.nat
 - a ``quant_linear`` region over a GGUF block layout it multiplies
   (:data:`fuel.kernels.native.QUANT_LAYOUTS`): intrinsics, one pass over the packed rows, a
   parallel loop on torch's own OpenMP pool;
-- paged attention over f32 operands: its decode body for decode rows, and
+- paged attention over f32 queries and f32, bf16 or f16 caches: its decode body for decode rows, and
   :func:`fuel.jit.paged.sdpa_prefill` (torch) for a prompt chunk;
 - ``residual_add_rms_norm`` over f32 rows (recognized by unifying the region with the registry's
   template, so any other region is not mistaken for it).
@@ -200,7 +200,7 @@ class _QuantRunner:
 
 
 class _PagedRunner:
-    """Paged attention of f32 operands without numba: decode rows (fewer than
+    """Paged attention of f32 queries (caches f32, bf16 or f16) without numba: decode rows (fewer than
     :data:`~fuel.jit.paged.PREFILL_MIN_ROWS` a sequence) in one native call, a prompt chunk by
     :func:`~fuel.jit.paged.sdpa_prefill` on torch's pool; a soft-capped region (no SDPA form)
     takes the native loop at every row count."""
@@ -294,11 +294,17 @@ class CpuSynthesizer:
         from fuel.kernels import native
 
         paged = match_paged(request.region)
-        if paged is not None:  # q, caches and output (the block table and lengths: indices)
-            return self._answer(request, (*request.inputs[:3], request.output), "paged",
+        if paged is not None:  # q and output f32 (the caches f32, or bf16/f16 widened as read;
+            # the block table and lengths: indices)
+            caches = request.inputs[1:3]
+            data = (request.inputs[0], request.output) + (() if paged.half_kv else tuple(caches))
+            if paged.half_kv and any(o.dtype.dtype.value not in ("bf16", "f16") for o in caches):
+                return None
+            return self._answer(request, data, "paged",
                                 lambda lib: _PagedRunner(lib, paged),
-                                f"fuel.kernels.native fuel_paged_attn (decode rows, scale "
-                                f"{paged.softmax_scale}, softcap {paged.softcap}); prompt "
+                                f"fuel.kernels.native fuel_paged_attn_kv (decode rows, scale "
+                                f"{paged.softmax_scale}, softcap {paged.softcap}"
+                                f"{', half-precision caches' if paged.half_kv else ''}); prompt "
                                 f"chunks: fuel.jit.paged.sdpa_prefill\n")
         eps = match_residual_rms_norm(request.region)
         if eps is not None:

@@ -29,6 +29,8 @@ class PagedRegion:
     block_size: int
     index_dtype: DType
     softcap: float | None
+    half_kv: bool = False
+    """Whether the caches hold another (half) precision than the query, widened as read."""
 
 
 def unify(template: Any, value: Any, slots: dict[str, Any]) -> bool:
@@ -58,9 +60,9 @@ def unify(template: Any, value: Any, slots: dict[str, Any]) -> bool:
 def match_paged(region: PatternNode) -> PagedRegion | None:
     """The paged-attention parameters of ``region``, or ``None`` when it is not that region."""
     template_of = SPECS[FusedOps.PAGED_ATTN].template
-    for softcap in (None, 1.0):
-        slots: dict[str, Any] = {}
-        if unify(template_of(PagedAttn(0.0, 1, softcap)), region, slots):
+    for softcap, kv_dtype in ((None, None), (1.0, None), (None, DType.BF16), (1.0, DType.BF16)):
+        slots: dict[str, Any] = {}  # (the cast's target is a slot: any half kv_dtype unifies)
+        if unify(template_of(PagedAttn(0.0, 1, softcap, kv_dtype)), region, slots):
             scale, block, index = (slots.get(k) for k in ("softmax_scale", "block_size",
                                                             "index_dtype"))
             if not isinstance(scale, float) or not isinstance(block, int) or block < 1 \
@@ -70,7 +72,10 @@ def match_paged(region: PatternNode) -> PagedRegion | None:
             if softcap is not None and (not isinstance(cap, float) or cap <= 0
                                         or slots.get("softcap_recip") != 1.0 / cap):
                 return None
-            return PagedRegion(scale, block, index, cap if softcap is not None else None)
+            if kv_dtype is not None and not isinstance(slots.get("dtype"), DType):
+                return None
+            return PagedRegion(scale, block, index, cap if softcap is not None else None,
+                               kv_dtype is not None)
     return None
 
 

@@ -210,6 +210,8 @@ class Engine:
         # The compute dtype: f32 for every storage dtype (bf16/f16/stored matrices are widened
         # in registers by the matmul kernels: fuel.runtime.weights.DType.compute).
         self.dtype = weights.dtype.compute
+        self.kv_dtype = weights.dtype.kv
+        """The KV caches' element dtype (``weights.DType.kv``: bf16/f16 for a half-precision run)."""
         self.store = WeightStore(weights, self.dtype)
         self.block_size = block_size
         self.max_context = max_context
@@ -248,13 +250,14 @@ class Engine:
                 from fuel.runtime.program_cache import program_key
 
                 disk_key = program_key(plan.digest, shape, self.dtype, self.optimize_options,
-                                       packed_layouts(self.store))
+                                       packed_layouts(self.store), self.kv_dtype)
                 program = self.program_cache.load(disk_key, self.store, self.table,
                                                   self.optimize_options)
             outcome = "restored"
             if program is None:
                 outcome = "built"
-                step = lower(plan, self.circuit, self.store, shape, dtype=_graph_dtype(self.dtype))
+                step = lower(plan, self.circuit, self.store, shape, dtype=_graph_dtype(self.dtype),
+                             kv_dtype=_graph_dtype(self.kv_dtype))
                 program = build_program(step, self.store, self.table, self.optimize_options)
                 if disk_key is not None:
                     self.program_cache.save(disk_key, program, self.optimize_options)
@@ -273,7 +276,7 @@ class Engine:
 
     def _cache(self, name: str, dims: tuple[int, ...]) -> torch.Tensor:
         if name not in self._caches:
-            self._caches[name] = self._torch.zeros(dims, dtype=self.dtype)
+            self._caches[name] = self._torch.zeros(dims, dtype=self.kv_dtype)
         return self._caches[name]
 
     # -- sequences ---------------------------------------------------------------------------
@@ -394,7 +397,7 @@ class Engine:
 def _graph_dtype(dtype: Any):
     from fuel.graph.dtype import DType
 
-    return DType.BF16 if str(dtype) == "torch.bfloat16" else DType.F32
+    return {"torch.bfloat16": DType.BF16, "torch.float16": DType.F16}.get(str(dtype), DType.F32)
 
 
 def _input_node(step, name: str) -> int:

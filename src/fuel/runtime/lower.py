@@ -542,6 +542,8 @@ def _kv_write_node(low: _Lowerer, node: CircuitNode) -> None:
     written = []
     for index, name in ((0, cache.k_input), (1, cache.v_input)):
         rows = low.read_heads(node, index, kv_heads, head_dim)
+        if low.kv_dtype != low.dtype:  # rounded to the cache's precision as it is written
+            rows = g.prim(OpKind.CAST, rows, dtype=low.kv_dtype)
         stored = low.input_cache(name, kv_heads, head_dim)
         written.append(g.prim(OpKind.KV_CACHE_WRITE, stored, rows, low.input_slots()))
     low.written[node.block] = (written[0], written[1])
@@ -560,8 +562,9 @@ def _paged_attention(low: _Lowerer, group: Group, kernel: str) -> None:
                                    f"{node.id} with no cache write before it")
     k_cache, v_cache = low.written[node.block]
     q_heads, head_dim = low.int_param(node, "q_heads"), low.int_param(node, "head_dim")
-    params = FusedOpParams.PagedAttn(softmax_scale=low.float_param(node, "softmax_scale"),
-                                     block_size=low.shape.block_size)
+    params = FusedOpParams.PagedAttn(
+        softmax_scale=low.float_param(node, "softmax_scale"), block_size=low.shape.block_size,
+        kv_dtype=low.kv_dtype if low.kv_dtype != low.dtype else None)
     g = low.graph
     # Rope's per-head output when there is one (no reshape round trip), else the flat edge.
     q_all = low.per_head.get(node.inputs[0], low.read(node, 0))
@@ -677,13 +680,17 @@ def construction_for(group: Group) -> tuple[str, Construction]:
 # ------------------------------------------------------------------------------- the lowerer
 
 
-_GRAPH_DTYPES = {"float32": DType.F32, "bfloat16": DType.BF16}
+_GRAPH_DTYPES = {"float32": DType.F32, "bfloat16": DType.BF16, "float16": DType.F16}
 
 
 class _Lowerer:
     def __init__(self, circuit: Circuit, plan: FusionPlan, weight_shapes: Mapping[str, tuple[int, ...]],
-                 dtype: DType, shape: StepShape, layouts: Mapping[str, str] | None = None):
+                 dtype: DType, shape: StepShape, layouts: Mapping[str, str] | None = None,
+                 kv_dtype: DType | None = None):
         self.circuit, self.plan, self.dtype, self.shape = circuit, plan, dtype, shape
+        self.kv_dtype = kv_dtype or dtype
+        """The KV caches' element dtype: the step's own, or a half-precision cache (rows rounded
+        to it as they are written, widened as attention reads them)."""
         self.weight_shapes = weight_shapes
         self.layouts: Mapping[str, str] = layouts or {}
         self.rows = shape.rows
@@ -755,7 +762,7 @@ class _Lowerer:
 
     def input_cache(self, name: str, kv_heads: int, head_dim: int) -> NodeId:
         dims = (self.shape.num_blocks, self.shape.block_size, kv_heads, head_dim)
-        return self._input(name, dims, self.dtype)
+        return self._input(name, dims, self.kv_dtype)
 
     def cache_for(self, node: CircuitNode) -> CacheRef:
         block = self.circuit.blocks[node.block]
@@ -851,11 +858,12 @@ class _Lowerer:
 
 
 def lower(plan: FusionPlan, circuit: Circuit, weights: Mapping[str, Any], shape: StepShape,
-          *, dtype: DType | None = None) -> StepGraph:
+          *, dtype: DType | None = None, kv_dtype: DType | None = None) -> StepGraph:
     """Lower ``plan`` (of ``circuit``) for one step of geometry ``shape``.
 
     ``weights`` maps binding paths to tensors (only shapes and dtype are read: the graph binds
-    by name). ``dtype`` defaults to the weights' dtype. Raises :class:`NoConstruction`,
+    by name). ``dtype`` defaults to the weights' dtype; ``kv_dtype`` (the KV caches' element
+    dtype) to ``dtype``. Raises :class:`NoConstruction`,
     :class:`ConstructionMismatch`, :class:`UnsupportedParam` or :class:`StepShapeError`.
     """
     if plan.rows != shape.rows:
@@ -865,7 +873,7 @@ def lower(plan: FusionPlan, circuit: Circuit, weights: Mapping[str, Any], shape:
     shapes = _ShapeView(weights)
     if dtype is None:
         dtype = _dtype_of(weights)
-    return _Lowerer(circuit, plan, shapes, dtype, shape, packed_layouts(weights)).run()
+    return _Lowerer(circuit, plan, shapes, dtype, shape, packed_layouts(weights), kv_dtype).run()
 
 
 def _row_layout(fmt: str | None) -> str | None:

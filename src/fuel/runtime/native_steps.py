@@ -62,7 +62,9 @@ from fuel.kernels.torch_kernels import NATIVE_WEIGHT_FORMATS, torch_dtype
 ENV = "FUEL_NATIVE_STEPS"
 
 _MATMUL, _MATMUL_Q8, _DEQUANTIZE, _ROPE, _ARGMAX, _KV_WRITE, _PAGED, _RESIDUAL_NORM = 1, 2, 3, 4, 5, 6, 7, 8
-_RMS_NORM, _SILU_MUL, _ADD, _GATHER, _FUSED = 9, 10, 11, 12, 13
+_RMS_NORM, _SILU_MUL, _ADD, _GATHER, _FUSED, _CAST = 9, 10, 11, 12, 13, 14
+_KV_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""Cache element dtypes the KV write and attention records take (gemv.c's F32, F16, BF16)."""
 _ALIGN = 64
 
 
@@ -120,21 +122,21 @@ _HOIST_WINDOW = 8
 """How many records ahead a product sharing the activations is looked for."""
 _EPILOGUE_MAX = 8
 _EPILOGUE_KINDS = frozenset({_ROPE, _KV_WRITE, _PAGED, _RESIDUAL_NORM, _RMS_NORM, _SILU_MUL, _ADD,
-                             _ARGMAX})
+                             _ARGMAX, _CAST})
 """Serial row-wise kernels a fused step may run after its products (its epilogue)."""
 _ACCESS = {  # kind -> (operands read, operands written)
     _MATMUL: ((0, 1), (2,)), _MATMUL_Q8: ((0, 1), (2,)), _DEQUANTIZE: ((0,), (1,)),
     _ROPE: ((0, 1, 2), (3,)), _ARGMAX: ((0,), (1,)), _KV_WRITE: ((0, 1, 2), (0,)),
     _PAGED: ((0, 1, 2, 3, 4), (5,)), _RESIDUAL_NORM: ((0, 1, 2), (3,)),
     _RMS_NORM: ((0, 1), (2,)), _SILU_MUL: ((0, 1), (2,)), _ADD: ((0, 1), (2,)),
-    _GATHER: ((0, 1), (2,)),
+    _GATHER: ((0, 1), (2,)), _CAST: ((0,), (1,)),
 }
 
 
 _NAMES = {_MATMUL: "matmul", _MATMUL_Q8: "matmul_q8", _DEQUANTIZE: "dequantize", _ROPE: "rope",
           _ARGMAX: "argmax", _KV_WRITE: "kv_write", _PAGED: "paged_attn",
           _RESIDUAL_NORM: "residual_add_rms_norm", _RMS_NORM: "rms_norm", _SILU_MUL: "silu_mul",
-          _ADD: "add", _GATHER: "gather"}
+          _ADD: "add", _GATHER: "gather", _CAST: "cast"}
 
 
 def _describe(head, epilogue) -> str:
@@ -396,13 +398,19 @@ class _Planner:
                 return out
             if op.kind is OpKind.KV_CACHE_WRITE:
                 cache, rows, slots = ins
-                if (cache.dtype == rows.dtype == f32 and slots.dtype == torch.int64
+                if (cache.dtype == rows.dtype and cache.dtype in _KV_CODES
+                        and slots.dtype == torch.int64
                         and len(cache.shape) >= 2 and rows.shape[1:] == cache.shape[2:]
                         and len(slots.shape) == 1 and rows.shape[0] == slots.shape[0]):
                     self._emit(_KV_WRITE, (cache, rows, slots),
-                               (cache.shape[0] * cache.shape[1], math.prod(rows.shape[1:]),
-                                slots.shape[0]))
+                               (cache.shape[0] * cache.shape[1],
+                                math.prod(rows.shape[1:]) * rows.dtype.itemsize, slots.shape[0]))
                     return cache
+            if (op.kind is OpKind.CAST and ins[0].dtype == f32 and _KV_CODES.get(dtype)
+                    and ins[0].shape == shape):  # rows rounded for a half-precision KV cache
+                out = self._alloc(shape, dtype)
+                self._emit(_CAST, (ins[0], out), (out.numel, _KV_CODES[dtype]))
+                return out
         if isinstance(op, Fused) and stock:
             fused = op.id
             if fused == FusedOps.RMS_NORM and ins[0].dtype == dtype == f32 and all(
@@ -467,12 +475,14 @@ class _Planner:
             width = _INDEX_BYTES.get(table.dtype)
             if (kernel.native_rows(q.shape[2]) and width and lens.dtype == table.dtype
                     and len(q.shape) == 4 and len(k_cache.shape) == 4
-                    and q.dtype == k_cache.dtype == v_cache.dtype == dtype == f32
+                    and q.dtype == dtype == f32 and k_cache.dtype == v_cache.dtype
+                    and k_cache.dtype in _KV_CODES
                     and k_cache.shape == v_cache.shape and q.shape[3] == k_cache.shape[3]
                     and q.shape[1] % k_cache.shape[2] == 0 and shape == q.shape):
                 out = self._alloc(shape, dtype)
                 self._emit(_PAGED, (q, k_cache, v_cache, table, lens, out),
-                           (*q.shape, *k_cache.shape[:3], table.shape[1], width),
+                           (*q.shape, *k_cache.shape[:3], table.shape[1], width,
+                            _KV_CODES[k_cache.dtype]),
                            (kernel.scale, kernel.softcap or 0.0))
                 return out
         if isinstance(kernel, native_synth._ResidualNormRunner):

@@ -272,15 +272,19 @@ def probe_feeds(step: StepGraph, dtype: Any, seed: int = 0) -> dict[str, Any]:
     feeds[TOKENS] = torch.zeros(len(positions), dtype=torch.int64)
     feeds[POSITIONS] = torch.tensor(positions, dtype=torch.int64)
     feeds[SLOTS] = torch.tensor(slots, dtype=torch.int64)
-    noise: dict[tuple[int, ...], Any] = {}
+    from fuel.kernels.torch_kernels import torch_dtype
+
+    noise: dict[tuple[Any, ...], Any] = {}
     graph = step.graph
     for node_id in graph:
-        op = graph.node(node_id).op
-        if isinstance(op, Input) and op.name not in feeds:
-            dims = tuple(graph.node(node_id).shape.dims)
-            if dims not in noise:
-                noise[dims] = torch.randn(dims, generator=generator).to(dtype)
-            feeds[op.name] = noise[dims]
+        node = graph.node(node_id)
+        if isinstance(node.op, Input) and node.op.name not in feeds:
+            # each input in its own dtype (a half-precision KV cache), else the step's
+            dims = tuple(node.shape.dims)
+            held = torch_dtype(node.dtype) if node.dtype.is_float else dtype
+            if (dims, held) not in noise:
+                noise[dims, held] = torch.randn(dims, generator=generator).to(held)
+            feeds[node.op.name] = noise[dims, held]
     return feeds
 
 

@@ -103,10 +103,11 @@ def options_identity(options: Any) -> str:
 
 
 def program_key(digest: str, shape: Any, dtype: Any, options: Any,
-                layouts: Mapping[str, str] | None = None) -> str:
+                layouts: Mapping[str, str] | None = None, kv_dtype: Any = None) -> str:
     """The key of a program: every input its build depends on (module docstring). ``layouts``:
     the packed layout of each weight (``fuel.runtime.lower.packed_layouts``): the same plan over
-    Q4_0 and Q4_1 weights, or bf16 and f16 ones, lowers to different programs."""
+    Q4_0 and Q4_1 weights, or bf16 and f16 ones, lowers to different programs; ``kv_dtype``: the
+    KV caches' element dtype (None: ``dtype``)."""
     import torch
 
     from fuel.cost.fingerprint import device_fingerprint
@@ -116,6 +117,7 @@ def program_key(digest: str, shape: Any, dtype: Any, options: Any,
         f"plan={digest}",
         f"shape={shape!r}",
         f"dtype={dtype}",
+        f"kv_dtype={kv_dtype if kv_dtype is not None else dtype}",
         f"layouts={sorted((layouts or {}).items())}",
         f"code={code_digest()}",
         f"libraries={_library_versions()}",

@@ -157,6 +157,15 @@ class DType(Enum):
         return torch.float32
 
     @property
+    def kv(self) -> torch.dtype:
+        """The KV caches' element dtype: the matrices' half precision for ``bf16``/``f16`` (rows
+        rounded as they are written, widened to f32 as attention reads them: half the cache's
+        bytes, as llama.cpp's f16 cache and a bf16 transformers model hold it), f32 otherwise."""
+        import torch
+
+        return {DType.BF16: torch.bfloat16, DType.F16: torch.float16}.get(self, torch.float32)
+
+    @property
     def half(self) -> bool:
         return self in (DType.BF16, DType.F16)
 

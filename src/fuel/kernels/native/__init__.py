@@ -67,6 +67,10 @@ QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k
 """The packed layouts a ``quant_linear`` region may carry that the library multiplies (GGUF
 blocks, and 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``)."""
 
+KV_CODES: dict[str, int] = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}
+"""KV cache element dtypes the library reads and writes (a torch dtype's ``str``) and their
+format codes (gemv.c's F32, F16, BF16)."""
+
 Q8_FORMATS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"})
 """The formats with an 8-bit-activation decode kernel (``matmul(..., activations="q8")``)."""
 
@@ -112,6 +116,12 @@ class NativeKernels:
         lib.fuel_paged_attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [
             ctypes.c_int, ctypes.c_float, ctypes.c_float]
         lib.fuel_paged_attn.restype = ctypes.c_int
+        lib.fuel_paged_attn_kv.argtypes = lib.fuel_paged_attn.argtypes + [ctypes.c_int]
+        lib.fuel_paged_attn_kv.restype = ctypes.c_int
+        lib.fuel_kv_write_rows.argtypes = lib.fuel_kv_write.argtypes
+        lib.fuel_kv_write_rows.restype = ctypes.c_int
+        lib.fuel_cast_half.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        lib.fuel_cast_half.restype = ctypes.c_int
         lib.fuel_residual_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
             ctypes.c_float]
         lib.fuel_residual_rms_norm.restype = None
@@ -158,25 +168,27 @@ class NativeKernels:
     def kv_write(self, cache: Any, rows: Any, slots: Any) -> bool:
         """Write ``rows [n, *cache.shape[2:]]`` into the paged ``cache [blocks, block_size, ...]``
         at flat ``slots [n]`` (int64), in place. False (nothing written) when the operands are
-        not contiguous f32 / int64 of those shapes: the caller's torch kernel writes them.
-        Raises IndexError for a slot outside the cache (nothing written)."""
+        not contiguous f32, bf16 or f16 (cache and rows alike) / int64 of those shapes: the
+        caller's torch kernel writes them. Raises IndexError for a slot outside the cache
+        (nothing written)."""
         import torch
 
-        if not (cache.dtype == rows.dtype == torch.float32 and slots.dtype == torch.int64
+        if not (cache.dtype == rows.dtype and str(cache.dtype) in KV_CODES and slots.dtype == torch.int64
                 and cache.is_contiguous() and rows.is_contiguous() and slots.is_contiguous()
                 and cache.dim() >= 2 and rows.dim() == cache.dim() - 1 and slots.dim() == 1
                 and rows.shape[0] == slots.shape[0] and rows.shape[1:] == cache.shape[2:]):
             return False
         slot_count = cache.shape[0] * cache.shape[1]
-        width = math.prod(rows.shape[1:])
-        if self._lib.fuel_kv_write(cache.data_ptr(), slot_count, width, rows.data_ptr(),
-                                   slots.data_ptr(), slots.shape[0]) != 0:
+        width = math.prod(rows.shape[1:]) * rows.element_size()
+        if self._lib.fuel_kv_write_rows(cache.data_ptr(), slot_count, width, rows.data_ptr(),
+                                        slots.data_ptr(), slots.shape[0]) != 0:
             raise IndexError(f"a KV slot in {slots.tolist()} is outside the cache's {slot_count}")
         return True
 
     def paged_attn(self, q: Any, k_cache: Any, v_cache: Any, block_table: Any, context_lens: Any,
                    scale: float, softcap: float | None) -> Any | None:
-        """Paged attention of f32 ``q [B, Hq, L, D]`` over f32 caches ``[blocks, bs, Hkv, D]``
+        """Paged attention of f32 ``q [B, Hq, L, D]`` over f32, bf16 or f16 caches
+        ``[blocks, bs, Hkv, D]`` (each row widened to f32 as it is read)
         through ``block_table [B, W]`` / ``context_lens [B]`` (u32, i32 or i64, one dtype): the
         paged-attention recipe's semantics (query ``i`` sees positions up to ``len - L + i``;
         nothing visible is NaN). None when the operands have another dtype or layout. Raises
@@ -185,7 +197,8 @@ class NativeKernels:
 
         index = {torch.int64: 8, torch.int32: 4, torch.uint32: 4}.get(block_table.dtype)
         if not (index and context_lens.dtype == block_table.dtype
-                and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+                and str(k_cache.dtype) in KV_CODES
                 and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
                 and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and block_table.is_contiguous() and context_lens.is_contiguous()
@@ -194,12 +207,26 @@ class NativeKernels:
         batch, heads, rows, width = q.shape
         blocks, block_size, kv_heads, _ = k_cache.shape
         out = torch.empty_like(q)
-        status = self._lib.fuel_paged_attn(
+        status = self._lib.fuel_paged_attn_kv(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), batch, heads, rows, width, blocks,
-            block_size, kv_heads, block_table.shape[1], index, scale, softcap or 0.0)
+            block_size, kv_heads, block_table.shape[1], index, scale, softcap or 0.0,
+            KV_CODES[str(k_cache.dtype)])
         if status != 0:
             raise IndexError("a block the paged attention reads is outside the KV cache")
+        return out
+
+    def cast_half(self, x: Any, dtype: Any) -> Any | None:
+        """Contiguous f32 ``x`` rounded to ``dtype`` (torch.bfloat16 or torch.float16) as torch's
+        ``Tensor.to`` rounds it (nearest even); None for another dtype or layout."""
+        import torch
+
+        code = KV_CODES.get(str(dtype))
+        if not code or x.dtype != torch.float32 or not x.is_contiguous():
+            return None
+        out = torch.empty(x.shape, dtype=dtype)
+        if self._lib.fuel_cast_half(x.data_ptr(), out.data_ptr(), x.numel(), code) != 0:
+            return None
         return out
 
     def residual_rms_norm(self, x: Any, residual: Any, gain: Any, eps: float) -> Any | None:

@@ -1297,16 +1297,60 @@ void fuel_argmax(const float *x, int64_t R, int64_t V, int64_t *out) {
     }
 }
 
-/* Paged KV cache write: row i of `rows` (row_elems contiguous f32) into slot slots[i] of the
-   cache (slot_count slots of row_elems). Returns -1, writing nothing, when a slot is out of
-   range (the caller raises, as index_copy_ does). */
-int fuel_kv_write(float *cache, int64_t slot_count, int64_t row_elems, const float *rows,
-                  const int64_t *slots, int64_t n) {
+/* Paged KV cache write: row i of `rows` (row_bytes contiguous bytes: f32, bf16 or f16 elements,
+   the cache's own) into slot slots[i] of the cache (slot_count slots of row_bytes). Returns -1,
+   writing nothing, when a slot is out of range (the caller raises, as index_copy_ does). */
+int fuel_kv_write_rows(void *cache, int64_t slot_count, int64_t row_bytes, const void *rows,
+                       const int64_t *slots, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         if (slots[i] < 0 || slots[i] >= slot_count) return -1;
     for (int64_t i = 0; i < n; i++)
-        memcpy(cache + slots[i] * row_elems, rows + i * row_elems, sizeof(float) * (size_t)row_elems);
+        memcpy((char *)cache + slots[i] * row_bytes, (const char *)rows + i * row_bytes,
+               (size_t)row_bytes);
     return 0;
+}
+
+int fuel_kv_write(float *cache, int64_t slot_count, int64_t row_elems, const float *rows,
+                  const int64_t *slots, int64_t n) {
+    return fuel_kv_write_rows(cache, slot_count, row_elems * 4, rows, slots, n);
+}
+
+/* f32 -> bf16 (fmt BF16) or IEEE half (fmt F16), n elements, rounded to nearest even as torch's
+   Tensor.to rounds (a NaN stays a quiet NaN, the sign kept; bf16 overflow rounds to infinity,
+   f16 beyond its range is infinity): a half-precision KV cache's rows as they are written. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline uint16_t float_to_half(float f) {
+#ifdef __F16C__
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t u; memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00 | ((a >> 13) & 0x3ff));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);   /* rounds past 65504: infinity */
+    if (a < 0x38800000u) {                                     /* below 2^-14: subnormal or 0 */
+        if (a < 0x33000000u) return (uint16_t)sign;            /* below half the least: 0 */
+        const uint32_t e = a >> 23, m = (a & 0x7fffff) | 0x800000, shift = 126 - e;
+        uint32_t h = m >> shift;
+        const uint32_t rest = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((a >> 13) - (112u << 10));
+    const uint32_t rest = a & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+#endif
+}
+
+int fuel_cast_half(const float *x, uint16_t *out, int64_t n, int fmt) {
+    if (fmt == BF16) { for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16(x[i]); return 0; }
+    if (fmt == F16) { for (int64_t i = 0; i < n; i++) out[i] = float_to_half(x[i]); return 0; }
+    return -1;
 }
 
 /* Paged attention for decode rows, f32: q [B, Hq, L, D], caches [blocks, bs, Hkv, D], block
@@ -1319,10 +1363,37 @@ static inline int64_t idx_at(const void *p, int64_t i, int index_bytes) {
     return index_bytes == 8 ? ((const int64_t *)p)[i] : (int64_t)((const uint32_t *)p)[i];
 }
 
+/* Row `row` (D elements) of a cache of element format kv_fmt (F32, F16, BF16) as f32: the row
+   itself for f32, else widened into `buffer`. */
+static inline const float *cache_row(int kv_fmt, const void *cache, int64_t row, int64_t D,
+                                     float *buffer) {
+    if (kv_fmt == F32) return (const float *)cache + row * D;
+    const uint16_t *h = (const uint16_t *)cache + row * D;
+    if (kv_fmt == BF16) for (int64_t d = 0; d < D; d++) buffer[d] = bf16_to_float(h[d]);
+    else for (int64_t d = 0; d < D; d++) buffer[d] = half_to_float(h[d]);
+    return buffer;
+}
+
+int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const void *table,
+                       const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
+                       int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
+                       float scale, float softcap, int kv_fmt);
+
 int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void *table,
                     const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
                     int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
                     float scale, float softcap) {
+    return fuel_paged_attn_kv(q, kc, vc, table, lens, out, B, Hq, L, D, blocks, bs, Hkv, W,
+                              index_bytes, scale, softcap, F32);
+}
+
+/* As fuel_paged_attn, over caches of element format kv_fmt (F32, F16 or BF16): each key and
+   value row widened to f32 as it is read (a half-precision cache is never converted whole). */
+int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const void *table,
+                       const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
+                       int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
+                       float scale, float softcap, int kv_fmt) {
+    if (kv_fmt != F32 && kv_fmt != F16 && kv_fmt != BF16) return -1;
     const int64_t group = Hq / Hkv, capacity = W * bs;
     for (int64_t b = 0; b < B; b++) {  /* every block a query will read must be in the cache */
         int64_t seen = idx_at(lens, b, index_bytes);
@@ -1334,7 +1405,8 @@ int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void
     }
     float *scores = (float *)malloc(sizeof(float) * (size_t)(capacity * group + 1));
     float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D + 1));
-    if (!scores || !acc) { free(scores); free(acc); return -1; }
+    float *widened = (float *)malloc(sizeof(float) * (size_t)(D + 1));
+    if (!scores || !acc || !widened) { free(scores); free(acc); free(widened); return -1; }
     for (int64_t b = 0; b < B; b++) {
         const int64_t context = idx_at(lens, b, index_bytes);
         for (int64_t kv = 0; kv < Hkv; kv++)
@@ -1348,7 +1420,7 @@ int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void
                 }
                 for (int64_t t = 0; t < visible; t++) {
                     const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
-                    const float *key = kc + ((blk * bs + t % bs) * Hkv + kv) * D;
+                    const float *key = cache_row(kv_fmt, kc, (blk * bs + t % bs) * Hkv + kv, D, widened);
                     for (int64_t g = 0; g < group; g++) {
                         const float *query = q + ((b * Hq + kv * group + g) * L + i) * D;
                         float dot = 0.0f;
@@ -1371,7 +1443,7 @@ int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void
                 for (int64_t e = 0; e < group * D; e++) acc[e] = 0.0f;
                 for (int64_t t = 0; t < visible; t++) {
                     const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
-                    const float *value = vc + ((blk * bs + t % bs) * Hkv + kv) * D;
+                    const float *value = cache_row(kv_fmt, vc, (blk * bs + t % bs) * Hkv + kv, D, widened);
                     for (int64_t g = 0; g < group; g++) {
                         const float w = scores[g * capacity + t];
                         float *a = acc + g * D;
@@ -1384,6 +1456,7 @@ int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void
     }
     free(scores);
     free(acc);
+    free(widened);
     return 0;
 }
 

@@ -23,7 +23,7 @@
 enum {
     STEP_MATMUL = 1, STEP_MATMUL_Q8 = 2, STEP_DEQUANTIZE = 3, STEP_ROPE = 4, STEP_ARGMAX = 5,
     STEP_KV_WRITE = 6, STEP_PAGED_ATTN = 7, STEP_RESIDUAL_RMS_NORM = 8, STEP_RMS_NORM = 9,
-    STEP_SILU_MUL = 10, STEP_ADD = 11, STEP_GATHER = 12, STEP_FUSED = 13,
+    STEP_SILU_MUL = 10, STEP_ADD = 11, STEP_GATHER = 12, STEP_FUSED = 13, STEP_CAST = 14,
 };
 
 enum { FUSED_MAX = 4 };  /* products a fused step shares one activation read among */
@@ -45,12 +45,13 @@ int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K,
 void fuel_rope(const float *x, int64_t xr, int64_t xh, const float *cos_, const float *sin_,
                float *out, int64_t R, int64_t H, int64_t D);
 void fuel_argmax(const float *x, int64_t R, int64_t V, int64_t *out);
-int fuel_kv_write(float *cache, int64_t slot_count, int64_t row_elems, const float *rows,
-                  const int64_t *slots, int64_t n);
-int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void *table,
-                    const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
-                    int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
-                    float scale, float softcap);
+int fuel_kv_write_rows(void *cache, int64_t slot_count, int64_t row_bytes, const void *rows,
+                       const int64_t *slots, int64_t n);
+int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const void *table,
+                       const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
+                       int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
+                       float scale, float softcap, int kv_fmt);
+int fuel_cast_half(const float *x, uint16_t *out, int64_t n, int fmt);
 void fuel_residual_rms_norm(const float *x, const float *residual, const float *gain, float *out,
                             int64_t R, int64_t H, float eps);
 int fuel_matmul_prepare(int fmt, const float *x, int64_t M, int64_t K, float **xs_out);
@@ -109,11 +110,12 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
         fuel_argmax(P(0), n[0], n[1], P(1));
         break;
     case STEP_KV_WRITE:
-        status = fuel_kv_write(P(0), n[0], n[1], P(1), P(2), n[2]);
+        status = fuel_kv_write_rows(P(0), n[0], n[1], P(1), P(2), n[2]);
         break;
     case STEP_PAGED_ATTN:
-        status = fuel_paged_attn(P(0), P(1), P(2), P(3), P(4), P(5), n[0], n[1], n[2], n[3],
-                                 n[4], n[5], n[6], n[7], (int)n[8], s->f[0], s->f[1]);
+        status = fuel_paged_attn_kv(P(0), P(1), P(2), P(3), P(4), P(5), n[0], n[1], n[2], n[3],
+                                    n[4], n[5], n[6], n[7], (int)n[8], s->f[0], s->f[1],
+                                    (int)n[9]);
         break;
     case STEP_RESIDUAL_RMS_NORM:
         fuel_residual_rms_norm(P(0), P(1), P(2), P(3), n[0], n[1], s->f[0]);
@@ -123,6 +125,9 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
         break;
     case STEP_SILU_MUL:
         fuel_silu_mul(P(0), P(1), P(2), n[0]);
+        break;
+    case STEP_CAST:  /* f32 -> bf16 / f16 (n[1]: the format code), n[0] elements */
+        status = fuel_cast_half(P(0), P(1), n[0], (int)n[1]);
         break;
     case STEP_ADD: {
         const float *a = P(0), *b = P(1);
