@@ -1,7 +1,8 @@
 """Half-precision numerics: a bf16 (and an f16) run of SmolLM2-135M (prefill + 8 decode steps)
 against transformers in that dtype on the same weights, row by row, within a stated logit
-tolerance. fuel holds the matrices in the half format and computes in f32 (its matmul kernels
-widen the 16-bit weights in registers); transformers computes every op in the half dtype, so
+tolerance. fuel holds the matrices and the KV cache in the half format and computes in f32 (its
+kernels widen the 16-bit weights and cache rows in registers); transformers computes every op
+(and keeps its cache) in the half dtype, so
 fuel's logits are the closer of the two to the f32 answer and the bound below still holds."""
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def test_half_precision_prefill_and_8_decode_steps_match_transformers_in_that_dt
     expected = reference.step_logits(prompt, continuation)
 
     engine = Engine(bf16_weights, max_context=64)
+    assert engine.kv_dtype == half  # the cache in the half format too, as transformers keeps it
     engine.add_sequence("s")
     rows = [prefill(engine, "s", prompt)]
     for token in continuation:
