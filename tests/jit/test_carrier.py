@@ -125,6 +125,24 @@ def test_the_cpu_table_leaves_paged_attention_and_residual_rms_to_the_seam():
     assert ask(softmax) is None
 
 
+def test_a_variant_arm_kernel_does_not_close_the_gap_but_a_default_kernel_does():
+    # Why: torch's int4pack kernel is bound for Q4 quant_linear as a variant arm; if it made the
+    # node runnable, the synthesizer would never be asked and could not compete with it.
+    from fuel.kernels import cpu_table
+
+    g = Graph()
+    x = g.input("x", [1, 64], DType.F32)
+    w = g.input("w", [32, 40], DType.U8)
+    node = g.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear("q4_1", 64), x, w)
+    table = cpu_table()
+    ask = lambda: jit_request_for_unplaceable_fused(g, node, BackendId.CPU, table,  # noqa: E731
+                                                    ArchSku.CPU, BUDGET)
+    assert ask() is not None
+    table.bind(FusedOps.QUANT_LINEAR, (DType.F32, DType.U8, DType.F32), BackendId.CPU,
+               KernelEntry(lambda n: None, frozenset({"layout:q4_1"})))
+    assert ask() is None
+
+
 def test_structure_key_separates_index_dtypes_and_ignores_extents():
     # Why: per-operand dtypes are part of the key (u32 vs i32 indices are different kernels);
     # extents are not (one kernel serves every batch and context length).

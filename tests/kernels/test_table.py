@@ -74,14 +74,20 @@ def test_cpu_table_binds_every_primitive_in_f32_and_bf16_where_it_computes():
 
 
 def test_cpu_table_has_no_fused_kernel_for_paged_attn_residual_add_rms_norm_or_quant_linear():
-    # quant_linear is a JIT request on the CPU: the numba synthesizer answers it per layout.
+    # quant_linear is a JIT request on the CPU: the native/numba synthesizer answers it per
+    # layout. torch's int4pack kernel is bound for the Q4 layouts only as a variant arm, an arm
+    # beside the recipe, never the node's own kernel.
     table = cpu_table()
-    fused_keys = {key.op for key in table.keys() if isinstance(key.op, FusedOps)}
+    fused_keys = {key.op for key in table.keys() if isinstance(key.op, FusedOps)
+                  and any(not e.variant_arm for e in table.lookup_alternatives(
+                      key.op, key.dtypes, key.backend))}
     assert FusedOps.PAGED_ATTN not in fused_keys
     assert FusedOps.RESIDUAL_ADD_RMS_NORM not in fused_keys
     # moe too: it runs as its recipe (grouped expert_matmul) until the JIT adopts a kernel.
     assert FusedOps.MOE not in fused_keys
     assert fused_keys == set(FusedOps) - {FusedOps.PAGED_ATTN, FusedOps.RESIDUAL_ADD_RMS_NORM,
                                           FusedOps.QUANT_LINEAR, FusedOps.MOE}
+    quant = (FusedOps.QUANT_LINEAR, (F32, DType.U8, F32), BackendId.CPU, frozenset({"layout:q4_1"}))
+    assert table.find(*quant).variant_arm and table.find_default(*quant) is None
     with pytest.raises(KernelMissing, match="paged_attn"):
         table.lookup(FusedOps.PAGED_ATTN, (F32, F32, F32, U32, U32, F32), BackendId.CPU)

@@ -15,7 +15,9 @@ Invariants:
 - "Runnable here" means what it means to the planner and the executor: the table lookup keyed
   on the op, the input dtypes in order then the output dtype, the backend, and the capabilities
   the node's params require (a soft-capped attention is not served by a kernel without
-  ``softcap``, so it is not runnable here).
+  ``softcap``, so it is not runnable here). A *variant arm* kernel does not make a node
+  runnable (``KernelBindingTable.find_default``): torch's int4pack kernel for a Q4 matmul is an
+  arm beside the recipe, and the synthesized kernel must be there to be measured against it.
 - Operands: the inputs in bind order, then the output (``n_inputs + 1`` entries); row-major
   strides with the innermost 1; alignment = the element size. A symbolic extent stays a symbol.
 - Pure: reads the graph and the table, mutates neither.
@@ -52,8 +54,8 @@ def jit_request_for_unplaceable_fused(
 
     # The trigger: synthesize only when this device cannot already run it.
     key = op_key(node.op)
-    if key is not None and table.find(key, key_dtypes(graph, node_id), backend,
-                                      required_caps(node)) is not None:
+    if key is not None and table.find_default(key, key_dtypes(graph, node_id), backend,
+                                              required_caps(node)) is not None:
         return None
 
     region = recipe_for(graph, node_id, runtime)

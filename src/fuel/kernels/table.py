@@ -18,7 +18,14 @@ Invariants:
   non-raising form (``None``).
 - An entry serves a node only if its ``caps`` include every capability the node's params
   require (:func:`required_caps`): a soft-capped attention never runs on a kernel without
-  ``softcap``.
+  ``softcap``; a ``quant_linear`` node over a block layout never runs on a kernel without that
+  layout (:func:`layout_capability`).
+- A *variant arm* (``KernelEntry.variant_arm``) is a real kernel that is never a node's own
+  kernel: :meth:`KernelBindingTable.find_default` skips it, so a node whose only kernels are
+  variant arms still has "no kernel" to the optimizer and the JIT carrier — it is lowered to its
+  recipe (arm 0, the oracle), the JIT is still asked, and the variant is offered as another arm
+  for the Judge to measure (``fuel.optimize.optimize``). ``find``/``lookup`` return it like any
+  entry: the executor runs it where an arm node routes to it.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from fuel.errors import FuelError
 from fuel.graph.dtype import BackendId, DType
 from fuel.graph.ir import Fused, Graph, Node, NodeId, Op, Prim
 from fuel.graph.ops import OpKind
-from fuel.graph.registry import RUNTIME_FUSED_BASE, FlashAttn, FusedOps, PagedAttn, fused_name
+from fuel.graph.registry import (
+    RUNTIME_FUSED_BASE, FlashAttn, FusedOps, PagedAttn, QuantLinear, fused_name,
+)
 
 OpKey = OpKind | int
 """A primitive kind, a static fused id (``FusedOps``) or a runtime fused id."""
@@ -81,6 +90,9 @@ class KernelEntry:
     """Framework operator calls one invocation dispatches for the node (every aten op torch's
     dispatcher sees, views included); ``None`` = one. The cost layer charges one launch
     overhead per call (``fuel.cost.estimate_for_kernel``)."""
+    variant_arm: bool = False
+    """Offered only as a variant arm beside the node's recipe, priced only by the Judge's
+    measurement, never the node's own kernel (module docs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +146,14 @@ def required_caps(node: Node) -> frozenset[str]:
         needed.add("causal")
     if isinstance(params, FlashAttn) and any(isinstance(d, str) for d in node.shape.dims):
         needed.add("symbolic_k_len")
+    if isinstance(params, QuantLinear):
+        needed.add(layout_capability(params.layout))
     return frozenset(needed)
+
+
+def layout_capability(layout: str) -> str:
+    """The capability a ``quant_linear`` kernel declares for each block layout it multiplies."""
+    return f"layout:{layout}"
 
 
 @dataclass(slots=True)
@@ -159,6 +178,13 @@ class KernelBindingTable:
              caps: frozenset[str] = frozenset()) -> KernelEntry | None:
         alternatives = self.lookup_alternatives(op, dtypes, backend, caps)
         return alternatives[0] if alternatives else None
+
+    def find_default(self, op: OpKey, dtypes: Sequence[DType], backend: BackendId,
+                     caps: frozenset[str] = frozenset()) -> KernelEntry | None:
+        """The first sibling declaring ``caps`` that is not a variant arm: the kernel a node
+        runs on as it stands (None: it is lowered to its recipe, variant arms offered beside)."""
+        return next((entry for entry in self.lookup_alternatives(op, dtypes, backend, caps)
+                     if not entry.variant_arm), None)
 
     def lookup(self, op: OpKey, dtypes: Sequence[DType], backend: BackendId,
                caps: frozenset[str] = frozenset()) -> KernelEntry:

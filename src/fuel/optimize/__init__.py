@@ -8,8 +8,8 @@ from fuel.optimize.decisions import (
     ArmRecord, BranchKind, CostSource, Decision, Lowering, Offer, Reason,
 )
 from fuel.optimize.optimize import (
-    ADOPTED, Offered, OptimizedGraph, OptimizeOptions, ResidencyCopy, bake_offered, offer_arms,
-    optimize_graph,
+    ADOPTED, TABLE_VARIANT, Offered, OptimizedGraph, OptimizeOptions, ResidencyCopy,
+    bake_offered, offer_arms, optimize_graph,
 )
 from fuel.optimize.pathfinders import (
     FlashAdmission, ShapeGate, offer_decode_flash_arms, offer_placement_forks,
@@ -25,7 +25,7 @@ from fuel.optimize.variant_bake import (
 )
 
 __all__ = [
-    "ADOPTED", "Offered", "bake_offered", "offer_arms",
+    "ADOPTED", "TABLE_VARIANT", "Offered", "bake_offered", "offer_arms",
     "ArmCostFn", "ArmDeclined", "ArmPrice", "ArmPricer", "ArmRecord", "BakeOutcome", "BakePolicy",
     "BranchKind", "CostSource", "Decision", "FlashAdmission", "Lowering", "NodePrice", "Offer",
     "OptimizeOptions", "OptimizedGraph", "Pricing", "Reason", "ResidencyCopy", "ShapeGate",

@@ -14,6 +14,12 @@ Decides, in this order (each step sees the previous one's graph):
    with several readers (residual_add_rms_norm's two selects) or a root gets an identity merge
    (a same-shape reshape) that every reader reads, spliced out again once the bake collapses
    the branch, so the baked graph carries no extra node.
+   A node whose only table kernels are *variant arms* (``KernelEntry.variant_arm``: torch's
+   int4pack kernel for a Q4_0/Q4_1/Q4_K ``quant_linear``) is lowered and asked about the same
+   way — "no kernel" means no kernel of its own — and its variant is offered in the same branch
+   (arm 0 the recipe, then the table's variant, then the adopted kernel), priced only by the
+   Judge's measurement (``optimize.providers``), so the bake keeps whichever the Judge measured
+   fastest and records every arm's cost.
 3. **Pathfinders** offer arms (:mod:`fuel.optimize.pathfinders`): the flash-decode arm, runtime
    fused arms, placement forks (each switchable in :class:`OptimizeOptions`).
 4. **Bake** same-device variant branches by cost (:mod:`fuel.optimize.variant_bake`), the
@@ -81,6 +87,8 @@ class OptimizeOptions:
     lower_unrunnable: bool = True
     offer_flash_decode: bool = True
     offer_runtime_fused: bool = True
+    offer_table_variants: bool = True
+    """Offer a lowered node's variant-arm table kernels as arms (priced only by the Judge)."""
     placement_devices: tuple[Device, ...] = ()
     """Other devices a heavy node may be forked onto (placement arms); none by default."""
     flash: FlashAdmission = FlashAdmission()
@@ -143,6 +151,10 @@ def _stamp(graph: Graph, roots: tuple[NodeId, ...], device: Device) -> None:
 ADOPTED = "adopted-kernel"
 """The pathfinder name of the branches built at lowering for adopted runtime kernels."""
 
+TABLE_VARIANT = "table-variant"
+"""The pathfinder name of a branch built at lowering that offers a table's variant-arm kernel
+(and no adopted kernel)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Offered:
@@ -185,12 +197,25 @@ def _adopted_kernel(graph: Graph, node_id: NodeId, backend: BackendId,
     return runtime_id, runtime_judge_name(digest)
 
 
-def _branch_adopted(graph: Graph, node_id: NodeId, root: NodeId, roots: tuple[NodeId, ...],
-                    runtime_id: int, name: str) -> tuple[Offer, NodeId | None]:
+@dataclass(frozen=True, slots=True)
+class _Arm:
+    """A kernel offered beside a lowered node's recipe: the op its arm node carries (over the
+    node's own inputs), what the offer calls it, and which pathfinder it belongs to."""
+
+    op: Fused
+    name: str
+    pathfinder: str
+
+
+def _branch_kernels(graph: Graph, node_id: NodeId, root: NodeId, roots: tuple[NodeId, ...],
+                    arms: list[_Arm]) -> tuple[Offer, NodeId | None]:
     """Rewire the fused node's readers to its recipe through a merge and branch there (arm 0
-    the recipe, arm 1 the adopted kernel). Returns the offer and the identity merge built (None
-    when the single reader serves as the merge). The graph computes what it did either way."""
+    the recipe, then one arm per kernel in ``arms``). Returns the offer and the identity merge
+    built (None when the single reader serves as the merge). The graph computes what it did
+    either way."""
     node = graph.node(node_id)
+    pathfinder = ADOPTED if any(a.pathfinder == ADOPTED for a in arms) else arms[0].pathfinder
+    names = ", ".join(a.name for a in arms)
     readers = [r for r in graph.consumers()[node_id]
                if r != root and not isinstance(graph.node(r).op, Branch)]
     merge: NodeId
@@ -208,23 +233,23 @@ def _branch_adopted(graph: Graph, node_id: NodeId, root: NodeId, roots: tuple[No
     else:
         for reader in readers:
             graph.rewire(reader, node_id, root)
-        return Offer(ADOPTED, node_id, None, f"{name}: {len(readers)} readers and a symbolic "
-                     "shape: no identity merge to branch at"), None
-    kernel = graph.push(Node(Fused(runtime_id, RuntimeFusedParams()), node.inputs, node.shape,
-                             node.dtype))
+        return Offer(pathfinder, node_id, None, f"{names}: {len(readers)} readers and a "
+                     "symbolic shape: no identity merge to branch at"), None
+    exits = [graph.push(Node(arm.op, node.inputs, node.shape, node.dtype)) for arm in arms]
     # Diverge after everything the inputs depend on, not after the newest input: an earlier
     # lowering appended its recipe at the end of the arena, so an older input may read newer
     # nodes, and those must stay shared context rather than part of both arms.
     builder = open_branch(graph, max(ancestors(graph, node.inputs)))
     builder.add_arm(root)
-    builder.add_arm(kernel)
+    for exit in exits:
+        builder.add_arm(exit)
     try:
         branch = builder.finalize(merge)
     except BranchError as error:
-        return Offer(ADOPTED, node_id, None, f"{name}: {error}"), identity
+        return Offer(pathfinder, node_id, None, f"{names}: {error}"), identity
     where = "its reader" if identity is None else f"an identity merge for {len(readers)} readers"
-    return Offer(ADOPTED, node_id, branch, f"{name} (adopted kernel) as arm 1, merged at "
-                 f"{where}"), identity
+    offered = ", ".join(f"{arm.name} as arm {index}" for index, arm in enumerate(arms, start=1))
+    return Offer(pathfinder, node_id, branch, f"{offered}, merged at {where}"), identity
 
 
 def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: OptimizeOptions
@@ -238,16 +263,21 @@ def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: Optimize
     carrier = None
     if options.jit_arch is not None and options.jit_budget is not None:
         from fuel.jit import jit_request_for_unplaceable_fused as carrier
-    # Adopted arms are offered only when they can be priced (as the pathfinders' arms are).
-    adopt_arms = options.offer_runtime_fused and options.device_spec is not None
+    # Adopted and variant arms are offered only when they can be priced (as the pathfinders'
+    # arms are).
+    priced = options.device_spec is not None
+    adopt_arms = options.offer_runtime_fused and priced
+    variant_arms = options.offer_table_variants and priced
     for node_id in lower(graph, roots).order:
         node = graph.node(node_id)
         if not isinstance(node.op, Fused):
             continue
         node_backend = graph.target_backend.get(node_id, backend)
-        if table.find(op_key(node.op), key_dtypes(graph, node_id), node_backend,
-                      required_caps(node)) is not None:
+        key, dtypes, caps = op_key(node.op), key_dtypes(graph, node_id), required_caps(node)
+        if table.find_default(key, dtypes, node_backend, caps) is not None:
             continue
+        # Whatever the table still finds is a variant arm (find_default found no other).
+        variant = table.find(key, dtypes, node_backend, caps)
         request = (carrier(graph, node_id, node_backend, table, options.jit_arch,
                            options.jit_budget, options.runtime) if carrier is not None else None)
         adopted = _adopted_kernel(graph, node_id, node_backend, options) if adopt_arms else None
@@ -257,11 +287,23 @@ def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: Optimize
             lowerings.append(Lowering(node_id, name, None, "no kernel and no emittable recipe: "
                                       "the executor will refuse this node", request))
             continue
-        lowerings.append(Lowering(node_id, name, root,
-                                  f"no {node_backend.value} kernel: lowered to its recipe",
-                                  request))
+        reason = f"no {node_backend.value} kernel: lowered to its recipe"
+        if variant is not None:
+            reason = (f"no {node_backend.value} kernel of its own (the {variant.kernel_source} "
+                      f"kernel is a variant arm): lowered to its recipe")
+        lowerings.append(Lowering(node_id, name, root, reason, request))
+        arms: list[_Arm] = []
+        if variant is not None and variant_arms:
+            arms.append(_Arm(node.op, f"{name} ({variant.kernel_source}, table kernel)",
+                             TABLE_VARIANT))
         if isinstance(adopted, tuple):
-            offer, identity = _branch_adopted(graph, node_id, root, roots, *adopted)
+            runtime_id, judge_name = adopted
+            arms.append(_Arm(Fused(runtime_id, RuntimeFusedParams()),
+                             f"{judge_name} (adopted kernel)", ADOPTED))
+        elif isinstance(adopted, str):
+            offers.append(Offer(ADOPTED, node_id, None, adopted))
+        if arms:
+            offer, identity = _branch_kernels(graph, node_id, root, roots, arms)
             offers.append(offer)
             if identity is not None:
                 merges.add(identity)
@@ -269,8 +311,6 @@ def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: Optimize
             else:
                 roots = tuple(root if r == node_id else r for r in roots)
             continue
-        if isinstance(adopted, str):
-            offers.append(Offer(ADOPTED, node_id, None, adopted))
         for reader, reader_node in enumerate(graph.nodes()):
             if node_id in reader_node.inputs and reader != root:
                 graph.rewire(reader, node_id, root)

@@ -25,7 +25,14 @@ Decides how an arm is priced for the bake.
   (inputs, then ``>`` the output: ``io:e10,e20,e20,e3,e0>e10``). Runtime ids follow
   registration order and differ between processes; the region's hash does not, so a kernel
   measured in one run is found by the next. The operand buckets keep what the output's size
-  hides (paged attention's block-table width, hence its KV length).
+  hides (paged attention's block-table width, hence its KV length). A ``quant_linear`` node
+  (a table's variant arm: torch's int4pack kernel) is keyed by its operand buckets too: its
+  output's size alone would give q_proj (K=576) and down_proj (K=1536) one cell.
+- A *variant arm* kernel (``KernelEntry.variant_arm``) is priced only by the Judge's
+  measurement, as an adopted kernel is: Layer 1 prices a packed weight at its bytes, which says
+  nothing of how fast torch's kernel reads them (its exact f32 path here is ~10x slower than
+  the dequantize+matmul recipe it would replace for a decode row, 50-80x for a 64-row chunk:
+  ``benchmarks/bench_native_kquant.py --table int4pack``), so an unmeasured variant cannot win.
 
 Invariants: pure (reads the graph, the table, the spec and the Judge snapshot; mutates nothing);
 never raises for a well-formed graph — every "cannot price" is an :class:`ArmDeclined`.
@@ -45,7 +52,9 @@ from fuel.graph.branch import arm_interiors
 from fuel.graph.dtype import BackendId
 from fuel.graph.ir import Branch, Fused, Graph, Input, NodeId, Weight
 from fuel.graph.recipe import EmitRefused, emit
-from fuel.graph.registry import RUNTIME_FUSED_BASE, RuntimeFusedRegistry, recipe_for
+from fuel.graph.registry import (
+    RUNTIME_FUSED_BASE, FusedOps, RuntimeFusedRegistry, fused_name, recipe_for,
+)
 from fuel.kernels.table import KernelBindingTable, Precision, key_dtypes, op_key, required_caps
 from fuel.optimize.decisions import CostSource, Reason
 from fuel.optimize.variant_bake import ArmDeclined, ArmPrice, NodePrice, _weaker
@@ -158,6 +167,9 @@ def judge_key(graph: Graph, node_id: NodeId, *, symbols: Mapping[str, int] | Non
         if registered is not None:
             size_class = _operand_size_class(graph, node_id, symbols)
             return None if size_class is None else (runtime_judge_name(registered.hash), size_class)
+    if isinstance(node.op, Fused) and node.op.id == FusedOps.QUANT_LINEAR:
+        size_class = _operand_size_class(graph, node_id, symbols)
+        return None if size_class is None else (fused_name(node.op.id), size_class)
     op = judge_op_name(node)
     size_class = size_class_of(graph, node_id, symbols=symbols)
     return None if op is None or size_class is None else (op, size_class)
@@ -186,6 +198,10 @@ def _node_price(graph: Graph, node_id: NodeId, pricing: Pricing, judge) -> _Node
     precision = entry.precision if entry is not None else None
     if measured is not None:
         return _Node(measured, CostSource.JUDGE, precision)
+    if entry is not None and entry.variant_arm:
+        return _Node(None, None, None, ArmDeclined(
+            Reason.UNKNOWN_COST, f"node {node_id} ({node.op}): the {entry.kernel_source} variant "
+            "arm is priced only by the Judge's measurement, and it has none here"))
     ns = _layer1_ns(graph, node_id, pricing)
     if isinstance(ns, str):
         return _Node(None, None, None, ArmDeclined(Reason.UNKNOWN_COST, ns))
