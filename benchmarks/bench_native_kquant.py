@@ -27,11 +27,26 @@ on this machine), M=1, at SmolLM2-135M's shapes (1536x576 and 576x1536 MLP, 4915
   in f32), ``rel``: that over the largest |output|, ``bound``: the largest allowance of its stated bound
   (``native_synth.q8_error_bound``), and whether every output is within bound + tolerance.
 
+A third table (``--table int4pack``) measures torch's int4 weight-only CPU kernel, the table's
+variant arm for q4_0/q4_1/q4_k (``fuel.kernels.int4pack``: group 32, scale/zero mapped exactly),
+against the arms it competes with in the bake, on ``--threads`` threads, at SmolLM2-135M's
+shapes, for a decode row (M=1) and a 64-row prompt chunk:
+
+- ``recipe``: arm 0 as fuel runs it (the native dequantizer, then ``x @ W.T``);
+- ``int4pack``: the offered arm (f32 activations and scales, exact weights) and its max error
+  against the recipe (``within`` the f32 recipe tolerance or not);
+- ``native``: the JIT's native kernel (8-bit activations for a decode row of q4_0/q4_1, f32
+  otherwise: what ``CpuSynthesizer`` hands over);
+- ``bf16 path``: torch's fast path, which needs bf16 activations *and* bf16 scales, so it
+  rounds the weights' scales and the activations: NOT offered; its time and relative error
+  are printed to show what exactness costs;
+- ``convert``: the one-time conversion of the packed weight into int4pack's layout (ms).
+
 Weights are valid random blocks (``quant_blocks.random_blocks``). The median of ``--repeats``
 samples is printed; on a shared machine the numbers move with the load. Usage::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_native_kquant.py [--repeats 15]
-        [--table kquant|q8|all] [--threads 2]
+        [--table kquant|q8|int4pack|all] [--threads 2]
 """
 
 from __future__ import annotations
@@ -111,17 +126,78 @@ def q8_table(repeats: int, threads: int) -> int:
     return 0
 
 
+INT4_SHAPES = ((576, 576), (1536, 576), (576, 1536))
+"""SmolLM2-135M's attention projection, MLP up/gate and MLP down (q4_k, whose super-blocks hold
+256 weights, takes the last and a 1536x1536 matrix)."""
+
+INT4_K_SHAPES = ((576, 1536), (1536, 1536))
+
+
+def int4pack_table(repeats: int, threads: int) -> int:
+    import time
+
+    import torch
+
+    from fuel.graph.dtype import DType
+    from fuel.jit.adopt import verify
+    from fuel.kernels import RECIPE_TOLERANCE, native
+    from fuel.kernels.int4pack import GROUP, LAYOUTS, Int4Packed
+
+    lib = _library(threads)
+    if lib is None:
+        return 1
+    print(f"\n{threads} thread(s), torch int4pack (group {GROUP}) vs the bake's other arms; "
+          f"median of {repeats} samples\n")
+    print(f"{'format':<6} {'N x K':<11} {'M':>3} {'recipe':>10} {'int4pack':>10} {'max err':>9} "
+          f"{'':8} {'native':>9} {'bf16 path':>10} {'rel err':>8} {'convert':>8}")
+    for layout in LAYOUTS:
+        for n, k in INT4_K_SHAPES if layout == "q4_k" else INT4_SHAPES:
+            w, _, dense, _ = _case(layout, n, k)
+            start = time.perf_counter()
+            held = Int4Packed.convert(w, layout, k)
+            convert_ms = (time.perf_counter() - start) * 1e3
+            bf16_weight = held.scales_and_zeros.to(torch.bfloat16)
+            for rows in (1, 64):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                want = x @ dense.T
+                check = verify(held.matmul(x), want, RECIPE_TOLERANCE[DType.F32])
+                q8 = rows <= native.STREAM_ROWS and layout in native.Q8_FORMATS
+                activations = "q8" if q8 else "f32"
+                slow = max(3, repeats // 3) if rows > 1 else repeats  # int4pack f32: ~0.1 s
+
+                def bf16_path(x=x):
+                    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                        x.bfloat16(), held.weight, GROUP, bf16_weight)
+
+                bf16_err = float((bf16_path().float() - want).abs().max() / want.abs().max())
+                recipe_us = median_us(lambda: x @ lib.dequantize(layout, w, k).T, repeats)
+                int4_us = median_us(lambda: held.matmul(x), slow)
+                native_us = median_us(lambda: lib.matmul(layout, x, w, k, threads=threads,
+                                                         activations=activations), repeats)
+                bf16_us = median_us(bf16_path, repeats)
+                print(f"{layout:<6} {f'{n}x{k}':<11} {rows:>3} {recipe_us:>8.1f}us "
+                      f"{int4_us:>8.1f}us {check.max_abs_error:>9.2e} "
+                      f"{'(within)' if check.ok else '(OUTSIDE)':8} {native_us:>7.1f}us "
+                      f"{bf16_us:>8.1f}us {bf16_err:>8.1e} {convert_ms:>6.1f}ms")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--table", choices=("kquant", "q8", "all"), default="all")
-    parser.add_argument("--threads", type=int, default=2, help="threads for the q8 table")
+    parser.add_argument("--table", choices=("kquant", "q8", "int4pack", "all"), default="all")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="threads for the q8 and int4pack tables")
     args = parser.parse_args()
     if args.table in ("kquant", "all"):
         status = kquant_table(args.repeats)
         if status:
             return status
-    return q8_table(args.repeats, args.threads) if args.table in ("q8", "all") else 0
+    if args.table in ("q8", "all"):
+        status = q8_table(args.repeats, args.threads)
+        if status:
+            return status
+    return int4pack_table(args.repeats, args.threads) if args.table in ("int4pack", "all") else 0
 
 
 def kquant_table(repeats: int) -> int:
