@@ -122,7 +122,7 @@ def test_quantized_products_of_one_activation_round_it_once_with_the_unfused_res
     from fuel.jit.native_synth import _QuantRunner
     from fuel.kernels import native
     from fuel.kernels.quant_blocks import dequantize
-    from fuel.kernels.table import KernelEntry, op_key
+    from fuel.kernels.table import KernelBindingTable, KernelEntry, op_key, required_caps
 
     lib = native.load()
     g = Graph()
@@ -133,10 +133,14 @@ def test_quantized_products_of_one_activation_round_it_once_with_the_unfused_res
     gate, up, other = (g.fused(FusedOps.QUANT_LINEAR, params, x, g.weight(name, [rows, 40], U8))
                        for name, rows in (("wg", 48), ("wu", 48), ("wo", 40)))
     act = g.fused(FusedOps.SILU_MUL, FusedOpParams.SiluMul(), gate, up)
-    table = cpu_table()
+    # Only the adopted runner for the products (as the JIT binds it) and the stock silu_mul.
+    table = KernelBindingTable.new()
     table.bind(op_key(Fused(FusedOps.QUANT_LINEAR, params)), (F32, U8, F32), BackendId.CPU,
                KernelEntry(lambda node: _QuantRunner(lib, "q4_1", 64, "q8"),
-                           kernel_source="jit.native.cpu.q8"))
+                           caps=required_caps(g.node(gate)), kernel_source="jit.native.cpu.q8"))
+    silu = op_key(Fused(FusedOps.SILU_MUL, FusedOpParams.SiluMul()))
+    table.bind(silu, (F32, F32, F32), BackendId.CPU,
+               TABLE.find(silu, (F32, F32, F32), BackendId.CPU))
     fused = compile_program(g, lower(g, [act, other]), table, weights=weights)
     assert fused.native.layout == ("matmul_q8 x3 + silu_mul",)
     monkeypatch.setenv("FUEL_FUSED_STEPS", "0")
@@ -289,27 +293,35 @@ def test_a_smollm2_decode_step_is_one_call_and_its_greedy_text_equals_transforme
     assert all(p.program.host_calls == 1 for p in decode)
 
 
-def test_a_smollm2_decode_step_list_gives_the_per_node_logits(native_jit_engine, smollm2_tokenizer):
+def _decode_both_ways(engine, tokenizer, steps: int = 3) -> list:
+    """Decode ``steps`` tokens twice from one prompt, by the step list and node by node, and
+    hold every step's logits and tokens equal; the step lists the fast path ran."""
     from fuel.circuit.rules import Mode
     from fuel.runtime.generate import prefill
 
-    engine = native_jit_engine
-    prompt = smollm2_tokenizer.encode("The quick brown fox")
+    prompt = tokenizer.encode("The quick brown fox")
     for name in ("fast", "slow"):
         engine.add_sequence(name)
         prefill(engine, name, prompt)
+    laid_out = []
     try:
         token = prompt[-1]
-        for _ in range(3):
+        for _ in range(steps):
             fast = engine.step(Mode.DECODE, [("fast", [token])])
             slow = engine.step(Mode.DECODE, [("slow", [token])], timed=True)  # node by node
-            assert isinstance(fast.program.program.native, NativeSteps)
+            assert isinstance(fast.program.program.native, NativeSteps), fast.program.program.native
+            laid_out.append(fast.program.program.native)
             torch.testing.assert_close(fast.logits, slow.logits, rtol=1e-5, atol=1e-4)
             assert fast.tokens == slow.tokens
             token = fast.tokens[-1]
     finally:
         engine.free("fast")
         engine.free("slow")
+    return laid_out
+
+
+def test_a_smollm2_decode_step_list_gives_the_per_node_logits(native_jit_engine, smollm2_tokenizer):
+    _decode_both_ways(native_jit_engine, smollm2_tokenizer)
 
 
 def test_a_root_that_is_a_reshaped_view_of_a_fed_cache_is_declined_not_returned_misshapen():
@@ -343,28 +355,9 @@ def bf16_jit_engine(fuel_cache, tmp_path_factory):
 
 def test_a_bf16_decode_step_keeps_its_kv_cache_in_bf16_in_one_call_with_the_per_node_logits(
         bf16_jit_engine, smollm2_tokenizer):
-    from fuel.circuit.rules import Mode
-    from fuel.runtime.generate import prefill
-
     engine = bf16_jit_engine
     assert engine.kv_dtype == torch.bfloat16
-    prompt = smollm2_tokenizer.encode("The quick brown fox")
-    for name in ("fast", "slow"):
-        engine.add_sequence(name)
-        prefill(engine, name, prompt)
-    try:
-        token = prompt[-1]
-        for _ in range(3):
-            fast = engine.step(Mode.DECODE, [("fast", [token])])
-            slow = engine.step(Mode.DECODE, [("slow", [token])], timed=True)  # node by node
-            steps = fast.program.program.native
-            assert isinstance(steps, NativeSteps), steps
-            # rows rounded to bf16 as they are written, inside the attention's fused step
-            assert any("cast + kv_write" in step and "paged_attn" in step for step in steps.layout)
-            torch.testing.assert_close(fast.logits, slow.logits, rtol=1e-5, atol=1e-4)
-            assert fast.tokens == slow.tokens
-            token = fast.tokens[-1]
-        assert engine._caches and all(c.dtype == torch.bfloat16 for c in engine._caches.values())
-    finally:
-        engine.free("fast")
-        engine.free("slow")
+    for steps in _decode_both_ways(engine, smollm2_tokenizer):
+        # rows rounded to bf16 as they are written, inside the attention's fused step
+        assert any("cast + kv_write" in step and "paged_attn" in step for step in steps.layout)
+    assert engine._caches and all(c.dtype == torch.bfloat16 for c in engine._caches.values())

@@ -711,21 +711,7 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
                 int64_t K, int64_t row_bytes, int threads) {
     float *xs = NULL;
     if (fuel_matmul_prepare(fmt, x, M, K, &xs)) return -1;
-    FOR_TILES(N, K, threads, {
-        switch (fmt) {
-        case F32: tile_rows(F32, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case F16: tile_rows(F16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case BF16: tile_rows(BF16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case Q4_0: tile_rows(Q4_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case Q4_1: tile_rows(Q4_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case Q5_0: tile_rows(Q5_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case Q5_1: tile_rows(Q5_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case Q4_K: tile_rows(Q4_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case Q5_K: tile_rows(Q5_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        case Q6_K: tile_rows(Q6_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        default: tile_rows(Q8_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-        }
-    });
+    FOR_TILES(N, K, threads, { fuel_matmul_rows(fmt, x, w, out, xs, M, N, K, row_bytes, n0, n1); });
     free(xs);
     return 0;
 }
@@ -1190,15 +1176,7 @@ int fuel_matmul_q8(int fmt, const float *x, const uint8_t *w, float *out, int64_
     if (K % 32 || K <= 0) return -1;
     Q8Rows a;
     if (q8_prepare(fmt, x, M, K, &a)) return -1;
-    FOR_TILES(N, K, threads, {
-        switch (fmt) {
-        case Q4_0: q8_tile(Q4_0, w, out, &a, M, N, row_bytes, n0, n1); break;
-        case Q4_1: q8_tile(Q4_1, w, out, &a, M, N, row_bytes, n0, n1); break;
-        case Q5_0: q8_tile(Q5_0, w, out, &a, M, N, row_bytes, n0, n1); break;
-        case Q5_1: q8_tile(Q5_1, w, out, &a, M, N, row_bytes, n0, n1); break;
-        default: q8_tile(Q8_0, w, out, &a, M, N, row_bytes, n0, n1); break;
-        }
-    });
+    FOR_TILES(N, K, threads, { fuel_matmul_q8_rows(fmt, w, out, &a, M, N, row_bytes, n0, n1); });
     free(a.mem);
     return 0;
 }
