@@ -189,3 +189,75 @@ def test_decode_traffic_counts_every_stored_byte_once(stored):
     traffic = decode_traffic(stored, spec)
     assert traffic["bytes_per_token"] == traffic["resident_bytes"] == sum(traffic["formats"].values())
     assert traffic["floor_tokens_per_s"] == round(spec.bandwidth_bytes_per_s / traffic["bytes_per_token"], 2)
+
+
+def _int4pack_run(shipped_mix, tmp_path, fuel_cache, int4pack_ns: int):
+    """A JIT run of the shipped mix with the Judge's int4pack cells forced to ``int4pack_ns``
+    (every other cell timed): the engine, its decode program and the greedy tokens."""
+    from fuel.circuit.rules import Mode
+    from fuel.cost.profile import Measurement, profile_kernel
+    from fuel.jit.native_synth import CpuSynthesizer
+    from fuel.kernels import cpu_table
+    from fuel.kernels.int4pack import KERNEL_SOURCE
+    from fuel.runtime.model import jit_options
+
+    fast = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
+
+    def profile(key, call):
+        if key[4] == KERNEL_SOURCE:
+            call()  # the kernel really runs (and converts its weight) on the step's values
+            return Measurement(median_ns=int4pack_ns, spread_ns=0, samples=1, calls_per_sample=1)
+        return profile_kernel(call, **fast)
+
+    table = cpu_table()
+    options = jit_options(table, store_path=tmp_path / "judge.sqlite", profile=profile,
+                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
+    options.jit.profile_options = fast
+    engine = Engine(shipped_mix[0], max_context=64, table=table, optimize_options=options)
+    tokens = generate(engine, PROMPT, 6).tokens
+    decode = [p for p in engine.programs() if p.step.plan.mode is Mode.DECODE][0]
+    rows = [r for r in decode.branch_decisions() if r["region"] == "quant_linear"]
+    return engine, decode, rows, tokens
+
+
+def test_int4pack_measured_slower_than_the_jit_kernel_loses_and_keeps_no_weight_copy(
+        shipped_mix, tmp_path, fuel_cache):
+    # Why: the three arms must meet in one branch with the int4pack cost recorded, and a losing
+    # arm must not leave its converted weights resident (issue target: resident <= 1.3x file).
+    import gc
+
+    from fuel.kernels.int4pack import INT4_WEIGHTS
+    from fuel.runtime.program import dispatch_census
+
+    gc.collect()
+    before = len(INT4_WEIGHTS)
+    engine, decode, rows, tokens = _int4pack_run(shipped_mix, tmp_path, fuel_cache, 10**12)
+    q4 = _int4pack_rows(rows)
+    assert sum(r["count"] for r in q4) == 2 * 7, "every Q4_1 projection of both layers"
+    assert any(len(r["arms"]) == 3 for r in q4), "beside the JIT's kernel where it was adopted"
+    for row in q4:
+        assert row["arms"][1]["cost_ns"] == 10**12 and row["arms"][1]["source"] == "judge"
+        assert row["winner"] != 1
+    assert "fused:quant_linear" not in dispatch_census(decode)
+    gc.collect()
+    assert len(INT4_WEIGHTS) == before, "the measurement's conversions went with it"
+    assert tokens == greedy(shipped_mix[1])
+
+
+def _int4pack_rows(rows):
+    """The decode branches with an int4pack arm (arm 1; the Q8_0 LM head has none)."""
+    return [r for r in rows if len(r["arms"]) > 1 and r["arms"][1]["label"] == "fused:quant_linear"]
+
+
+def test_int4pack_measured_fastest_runs_its_kernel_and_computes_the_dequantized_run(
+        shipped_mix, tmp_path, fuel_cache):
+    from fuel.kernels.int4pack import INT4_WEIGHTS
+    from fuel.runtime.program import dispatch_census
+
+    engine, decode, rows, tokens = _int4pack_run(shipped_mix, tmp_path, fuel_cache, 1)
+    q4 = _int4pack_rows(rows)
+    assert sum(r["count"] for r in q4) == 2 * 7
+    assert all(r["winner"] == 1 and r["reason"] == "cheaper" for r in q4)
+    assert dispatch_census(decode)["fused:quant_linear"] == 2 * 7
+    assert len(INT4_WEIGHTS) >= 2 * 7, "each projection converted once, held by its kernel"
+    assert tokens == greedy(shipped_mix[1])
