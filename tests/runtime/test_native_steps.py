@@ -293,7 +293,7 @@ def test_a_smollm2_decode_step_is_one_call_and_its_greedy_text_equals_transforme
     assert all(p.program.host_calls == 1 for p in decode)
 
 
-def _decode_both_ways(engine, tokenizer, steps: int = 3) -> list:
+def _decode_both_ways(engine, tokenizer, steps: int = 3, atol: float = 1e-4) -> list:
     """Decode ``steps`` tokens twice from one prompt, by the step list and node by node, and
     hold every step's logits and tokens equal; the step lists the fast path ran."""
     from fuel.circuit.rules import Mode
@@ -311,13 +311,20 @@ def _decode_both_ways(engine, tokenizer, steps: int = 3) -> list:
             slow = engine.step(Mode.DECODE, [("slow", [token])], timed=True)  # node by node
             assert isinstance(fast.program.program.native, NativeSteps), fast.program.program.native
             laid_out.append(fast.program.program.native)
-            torch.testing.assert_close(fast.logits, slow.logits, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(fast.logits, slow.logits, rtol=1e-5, atol=atol)
             assert fast.tokens == slow.tokens
             token = fast.tokens[-1]
     finally:
         engine.free("fast")
         engine.free("slow")
     return laid_out
+
+
+BF16_CACHE_ATOL = 0.1
+"""Step list against node by node with a bf16 KV cache: the two paths' f32 sums differ by
+reassociation (~1e-7, as in f32), and a cache row is rounded to bf16 (8 significant bits) as it
+is written, so a value that sits on a rounding boundary lands one bf16 step (2^-8 of itself)
+apart; attention carries that into the logits at a few hundredths (0.025 seen over 3 steps)."""
 
 
 def test_a_smollm2_decode_step_list_gives_the_per_node_logits(native_jit_engine, smollm2_tokenizer):
@@ -357,7 +364,7 @@ def test_a_bf16_decode_step_keeps_its_kv_cache_in_bf16_in_one_call_with_the_per_
         bf16_jit_engine, smollm2_tokenizer):
     engine = bf16_jit_engine
     assert engine.kv_dtype == torch.bfloat16
-    for steps in _decode_both_ways(engine, smollm2_tokenizer):
+    for steps in _decode_both_ways(engine, smollm2_tokenizer, atol=BF16_CACHE_ATOL):
         # rows rounded to bf16 as they are written, inside the attention's fused step
         assert any("cast + kv_write" in step and "paged_attn" in step for step in steps.layout)
     assert engine._caches and all(c.dtype == torch.bfloat16 for c in engine._caches.values())
