@@ -67,3 +67,21 @@ def test_a_fast_kernel_under_a_budget_keeps_every_sample():
     measured = profile_kernel(call, warmup=2, repeats=9, min_sample_ns=1,
                               budget_ns=300_000_000, clock=clock)
     assert measured.samples == 9
+
+
+def test_a_call_past_the_ceiling_is_measured_once_not_sampled():
+    seen = []
+    call, clock = fake_clock([50_000_000, 40_000_000])  # the first call pays a conversion
+    measured = profile_kernel(lambda: (seen.append(1), call()), warmup=2, repeats=9,
+                              min_sample_ns=1, ceiling_ns=1_000_000, clock=clock)
+    assert (measured.samples, measured.median_ns, measured.spread_ns) == (1, 40_000_000, 0)
+    assert len(seen) == 2  # the first call untimed, the second alone is the measurement
+
+
+def test_a_call_under_the_ceiling_is_sampled_as_usual():
+    seen = []
+    call, clock = fake_clock([1000])
+    measured = profile_kernel(lambda: (seen.append(1), call()), warmup=2, repeats=9,
+                              min_sample_ns=1, ceiling_ns=1_000_000, clock=clock)
+    assert measured.samples == 9 and measured.median_ns == 1000
+    assert len(seen) == 2 + 1 + 9  # the two racing calls stand for the warm-up

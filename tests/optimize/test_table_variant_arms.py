@@ -164,3 +164,57 @@ def test_without_a_device_spec_nothing_is_offered_and_the_recipe_runs():
     assert result.lowerings[0].jit_request is not None
     assert result.offers == () and result.decisions == ()
     assert torch.allclose(run(graph, result, table), reference(), atol=1e-5)
+
+
+def test_a_variant_arm_far_slower_than_the_other_arms_is_timed_from_one_call():
+    """The Judge times the variant arm last, racing the arms measured before it: a single call
+    past RACE_MARGIN times the cheapest other arm is its measurement (no samples after it);
+    an injected profile is consulted in full."""
+    from fuel.kernels import int4pack
+    from fuel.optimize.judge_arms import RACE_MARGIN, measure_branches
+    from fuel.optimize.optimize import offer_arms
+
+    calls = []
+    slow = int4pack.quant_linear_int4pack
+
+    def counted(node):
+        kernel = slow(node)
+
+        def run(*args):
+            calls.append(1)
+            import time
+            time.sleep(0.02)  # far past any recipe of this size
+            return kernel(*args)
+        return run
+
+    table = cpu_table()
+    for entries in table._entries.values():
+        for index, entry in enumerate(entries):
+            if entry.variant_arm:
+                entries[index] = KernelEntry(counted, entry.caps, entry.precision,
+                                             kernel_source=entry.kernel_source,
+                                             calls=entry.calls, variant_arm=True)
+    graph, root, _ = quant_graph()
+    offered = offer_arms(graph, [root], OptimizeOptions(table=table, device_spec=SPEC))
+    profile = {"warmup": 2, "repeats": 9, "min_sample_ns": 100_000}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the recipe's tiny ops timed without waiting on a busy sibling
+    try:
+        rows = measure_branches(graph, offered.branches(), feeds(), table, weights=None, **profile)
+    finally:
+        torch.set_num_threads(threads)
+    variant = [r for r in rows if r.kernel_source == KERNEL_SOURCE]
+    others = [r for r in rows if r.kernel_source != KERNEL_SOURCE]
+    assert len(variant) == 1 and others
+    assert variant[0].samples == 1 and len(calls) == 2
+    assert variant[0].median_ns > RACE_MARGIN * sum(r.median_ns for r in others)
+    calls.clear()
+    injected = measure_branches(graph, offered.branches(), feeds(), table, weights=None,
+                                profile=lambda key, call: profile_all(call), **profile)
+    assert len(calls) > 2 and all(r.samples > 1 for r in injected)
+
+
+def profile_all(call):
+    from fuel.cost import profile_kernel
+
+    return profile_kernel(call, warmup=1, repeats=3, min_sample_ns=1)
