@@ -118,3 +118,43 @@ def test_a_cache_tier_is_all_or_nothing(text, key):
 def test_shipped_datasheet_devices_have_no_cache_tier_until_a_bandwidth_is_sourced():
     # Vendors publish L2 sizes but no L2 bandwidth; see the note at the top of devices.toml.
     assert [name for name, spec in load_devices().items() if spec.has_cache_tier()] == []
+
+
+def test_rate_at_rows_interpolates_in_log2_rows_between_measured_points():
+    # Why: the probe measures at powers of two; a chunk between two of them (a 48-row verify
+    # step, a 100-row prompt) must be priced between their rates, never past either.
+    from fuel.cost.spec import rate_at_rows
+
+    points = ((16, 100.0), (64, 300.0), (256, 400.0))
+    assert rate_at_rows(points, 16) == 100.0 and rate_at_rows(points, 64) == 300.0
+    assert rate_at_rows(points, 32) == pytest.approx(200.0)  # one of the two doublings
+    assert rate_at_rows(points, 128) == pytest.approx(350.0)
+    assert rate_at_rows(points, 4) == 100.0  # below the smallest: its rate, not extrapolated
+    assert rate_at_rows(points, 2048) == 400.0  # past the largest: the rate levels off
+    assert rate_at_rows(reversed(points), 32) == pytest.approx(200.0)  # order does not matter
+
+
+def test_rate_at_rows_ignores_unusable_points_and_has_no_rate_without_any():
+    from fuel.cost.spec import rate_at_rows
+
+    assert rate_at_rows(((16, 0.0), (64, float("nan")), (256, 400.0)), 32) == 400.0
+    assert rate_at_rows((), 32) is None and rate_at_rows(((16, -1.0),), 16) is None
+
+
+def test_a_gemm_is_priced_at_the_rate_measured_at_its_rows():
+    # Why: a CPU GEMM of 128 rows ran at ~0.8 of the 256-row peak here; pricing every GEMM at
+    # the peak predicted prompt chunks ~25% too fast.
+    from dataclasses import replace
+
+    from fuel.cost import PeakClass
+
+    spec = replace(device("h100-sxm"),
+                   peak_flops={PeakClass.FP32: 200.0},
+                   gemv_flops={PeakClass.FP32: 10.0},
+                   gemm_rows_flops={PeakClass.FP32: ((16, 40.0), (256, 160.0))})
+    assert spec.matrix_peak("f32", rows=1) == 10.0
+    assert spec.matrix_peak("f32", rows=4) == pytest.approx(25.0)  # between 1 row and 16
+    assert spec.matrix_peak("f32", rows=64) == pytest.approx(100.0)
+    assert spec.matrix_peak("f32", rows=256) == 160.0
+    assert spec.matrix_peak("f32", rows=0) == 200.0  # rows unknown: the dense peak
+    assert device("h100-sxm").matrix_peak("bf16", rows=64) == device("h100-sxm").peak_flops[PeakClass.BF16]

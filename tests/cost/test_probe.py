@@ -35,6 +35,8 @@ def test_reprobe_measures_again_and_rewrites_the_cache(isolated_cache, monkeypat
         "memory_bytes": 7, "torch_threads": 1,
         "cache_bytes": 8, "cache_bandwidth_bytes_per_s": 9e9, "cache_note": "fake",
     "hot_call_ns": 1, "stream_note": "fake",
+        "fp32_gemm_rows_flops": [[16, 4e8], [256, 1e9]], "bf16_gemm_rows_flops": [[16, 5e8], [256, 2e9]],
+        "fp16_gemm_rows_flops": None, "attention_rows_flops": [[16, 1e8], [256, 4e8]],
     }
     monkeypatch.setattr(probe, "measure_cpu_local", lambda: dict(fake))
     spec = device("cpu-local", reprobe=True)
@@ -42,8 +44,16 @@ def test_reprobe_measures_again_and_rewrites_the_cache(isolated_cache, monkeypat
     assert (spec.cache_bytes, spec.cache_bandwidth_bytes_per_s) == (8, 9e9)
     assert spec.gemv_flops == {PeakClass.FP32: 1.5e9, PeakClass.BF16: 2.5e8, PeakClass.FP16: 3.5e8}
     assert spec.host_call_ns == 6  # a view is one torch call: the per-call overhead
-    # A one-row product is priced at the matrix-vector rate, a GEMM at the dense peak.
-    assert spec.matrix_peak("bf16", rows=1) == 2.5e8 and spec.matrix_peak("bf16", rows=64) == 2e9
+    # A one-row product is priced at the matrix-vector rate, a GEMM at the rate measured at its
+    # rows (halfway between 16 and 256 rows in log2: 64 rows), an unknown row count at the dense
+    # peak; fp16, measured with no rows curve, at its dense peak whatever the rows.
+    assert spec.matrix_peak("bf16", rows=1) == 2.5e8
+    assert spec.matrix_peak("bf16", rows=64) == pytest.approx(1.25e9)
+    assert spec.matrix_peak("bf16", rows=0) == 2e9
+    assert spec.matrix_peak("f16", rows=64) == 3e9
+    assert spec.gemm_rows_flops == {PeakClass.FP32: ((16, 4e8), (256, 1e9)),
+                                    PeakClass.BF16: ((16, 5e8), (256, 2e9))}
+    assert spec.attention_rows_flops == ((16, 1e8), (256, 4e8))
     assert json.loads(probe.cache_path().read_text())["numbers"] == fake
 
 
@@ -126,3 +136,99 @@ def test_the_bandwidth_probe_streams_twice_the_last_level_cache(monkeypatch):
     assert len({w.data_ptr() for w in slices}) == len(slices)  # distinct weights, not one re-read
     monkeypatch.setattr(probe, "_llc_bytes", lambda: None)  # unknown LLC: the floor
     assert len(probe._stream_slices(torch)[0]) * 64 * 64 * 4 >= 64 * 1024
+
+
+def test_a_probe_without_rows_curves_prices_every_gemm_at_the_dense_peak(isolated_cache, monkeypatch):
+    # Why: numbers from before the rows curves (or a dtype that has none) must still make a
+    # spec, priced as before: the dense peak for a GEMM, the matrix-vector rate for one row.
+    numbers = {"fp32_flops": 1e9, "bf16_flops": 2e9, "fp16_flops": 3e9, "vector_flops": 4e9,
+               "fp32_gemv_flops": 1.5e9, "bf16_gemv_flops": 2.5e8, "fp16_gemv_flops": 3.5e8,
+               "bandwidth_bytes_per_s": 5e9, "copy_bytes_per_s": 2e9, "launch_overhead_ns": 6,
+               "memory_bytes": 7, "torch_threads": 1, "cache_bytes": None,
+               "cache_bandwidth_bytes_per_s": None, "cache_note": "fake", "hot_call_ns": 1,
+               "stream_note": "fake"}
+    spec = probe._spec_from(numbers, "fake")
+    assert spec.gemm_rows_flops == {} and spec.attention_rows_flops == ()
+    assert spec.matrix_peak("f32", rows=128) == 1e9 and spec.matrix_peak("f32", rows=1) == 1.5e9
+
+
+def test_the_rows_curve_is_measured_at_the_prompt_chunk_sizes_a_run_pads_to():
+    # Why: the curve prices a prompt chunk at the rows it really runs; if the runtime pads its
+    # chunks to other sizes, the probe must measure those instead.
+    from fuel.runtime.generate import DEFAULT_CHUNK, MIN_BUCKET
+
+    sizes, size = [], MIN_BUCKET
+    while size <= DEFAULT_CHUNK:
+        sizes.append(size)
+        size *= 2
+    assert probe._GEMM_ROWS == tuple(sizes)
+
+
+def test_the_attention_probe_lays_its_cache_out_as_the_engine_does():
+    from fuel.runtime.engine import DEFAULT_BLOCK_SIZE
+
+    assert probe._ATTENTION_BLOCK == DEFAULT_BLOCK_SIZE
+
+
+def test_the_rows_curve_times_the_linear_kernel_at_each_row_count(monkeypatch):
+    # Why: a CPU GEMM's rate grows with its rows (each weight block is packed once per call);
+    # the probe must report one positive rate per row count, in order, from distinct weights.
+    import torch
+
+    monkeypatch.setattr(probe, "_ROWS_SET_BYTES", 4 * 512 * 512 * 4)  # 4 weights keep it short
+    seen = []
+    kernel = probe._linear_kernel(torch, torch.float32)
+
+    def counting(torch_module, dtype):
+        def linear(x, w):
+            seen.append((x.shape[0], w.data_ptr()))
+            return kernel(x, w)
+        return linear
+
+    monkeypatch.setattr(probe, "_linear_kernel", counting)
+    rates = probe._linear_rows_rates(torch, torch.float32, call_ns=1000.0)
+    assert [rows for rows, _ in rates] == list(probe._GEMM_ROWS)
+    assert all(rate > 0 for _, rate in rates)
+    assert len({ptr for _, ptr in seen}) == 4  # every call of a pass reads another weight
+    assert {rows for rows, _ in seen} == set(probe._GEMM_ROWS)
+
+
+def test_a_dtype_too_slow_for_a_rows_pass_keeps_its_dense_peak():
+    # Why: fp16 has no fast CPU path here (~2 GFLOP/s); timing 64 of its 256-row products at
+    # every row count would take seconds, and a slow, compute-bound dtype has one rate anyway.
+    import torch
+
+    assert probe._linear_rows_rates(torch, torch.float16, call_ns=probe._ROWS_BUDGET_NS) is None
+
+
+def test_the_attention_probe_counts_flops_as_the_report_does():
+    # Why: a rate is FLOPs over time; the report divides its own FLOP count by this rate, so
+    # both must count a causal chunk the same way or the price is off by their ratio.
+    from fuel.report.roofline import SequenceRows
+
+    for rows, context in ((16, 16), (128, 128), (64, 300)):
+        attended = SequenceRows(rows, context).attended_positions
+        assert probe.attention_flops(9, 64, rows, context) == 4 * 9 * 64 * attended
+
+
+def test_the_attention_probe_times_the_prompt_chunk_attention_at_each_row_count(monkeypatch):
+    # Why: a CPU prompt chunk's attention (gather + one causal SDPA) runs far below the matrix
+    # rate; the probe must time that kernel, at every chunk size, with the stated layout.
+    import torch
+
+    from fuel.jit import paged
+
+    calls = []
+    real = paged.sdpa_prefill
+
+    def spy(q, k_cache, v_cache, table, lens, scale, dtype):
+        calls.append((tuple(q.shape), k_cache.shape[2], int(lens[0])))
+        return real(q, k_cache, v_cache, table, lens, scale, dtype)
+
+    monkeypatch.setattr(paged, "sdpa_prefill", spy)
+    rates = probe._attention_rows_rates(torch)
+    assert [rows for rows, _ in rates] == list(probe._GEMM_ROWS)
+    assert all(rate > 0 for _, rate in rates)
+    heads, kv_heads, head_dim = probe._ATTENTION_LAYOUT
+    for rows in probe._GEMM_ROWS:  # as many rows as positions: a prompt's first chunk
+        assert ((1, heads, rows, head_dim), kv_heads, rows) in calls

@@ -122,3 +122,24 @@ def test_the_same_inputs_give_the_same_document():
     args = ("smollm2-135m", zoo.load("smollm2-135m"), device_info(spec),
             rule_set_for(spec.title, spec.kind.value), policy)
     assert json.dumps(build_report(*args)) == json.dumps(build_report(*args))
+
+
+def test_device_info_hands_the_probed_rates_by_rows_to_the_roofline():
+    # Why: fuel plan on cpu-local must price a prompt chunk at the rates the probe measured at
+    # its rows, not only at the dense peak.
+    from dataclasses import replace
+
+    from fuel.cost import PeakClass
+    from fuel.report.roofline import ComputeClass
+
+    spec = replace(device("h100-sxm"), gemv_flops={PeakClass.FP32: 1e9},
+                   gemm_rows_flops={PeakClass.FP32: ((16, 2e10), (256, 8e10)),
+                                    PeakClass.BF16: ((16, 4e10), (256, 1.6e11))},
+                   attention_rows_flops=((16, 1e9), (256, 3e10)))
+    rates = device_info(spec).rates
+    assert rates.rows_peaks == {"fp32-matrix": ((16, 2e10), (256, 8e10)),
+                                "bf16": ((16, 4e10), (256, 1.6e11))}
+    assert rates.attention_peaks == ((16, 1e9), (256, 3e10))
+    assert rates.peak(ComputeClass.TENSOR_FP32, rows=64) == pytest.approx(5e10)
+    assert rates.peak(ComputeClass.TENSOR_BF16, rows=0) == spec.peak_flops[PeakClass.BF16]
+    assert rates.attention_peak(ComputeClass.TENSOR_BF16, rows=256) == 3e10

@@ -152,3 +152,54 @@ def test_expected_distinct_experts_grows_from_top_k_to_all(experts, data):
     assert one - 1e-9 <= many <= min(experts, top_k * tokens) + 1e-9
     assert many <= expected_distinct_experts(experts, top_k, tokens + 1) + 1e-9
     assert math.isfinite(many)
+
+
+CPU_RATES = DeviceRates(
+    "test-cpu", bandwidth=1e15, peaks={"fp32": 1e10, "fp32-matrix": 2e11},
+    launch_overhead_ns=1000.0, memory_bytes=2**34, matvec_peaks={"fp32-matrix": 1e10},
+    rows_peaks={"fp32-matrix": ((16, 5e10), (64, 1e11), (256, 1.6e11))},
+    attention_peaks=((16, 1e9), (256, 4e10)))
+"""A CPU-like device whose GEMM rate grows with rows and whose attention is no GEMM; the
+bandwidth is huge so every priced time below is its compute side."""
+
+
+def _f32_circuit(**dims):
+    from fuel.report.build import in_dtype
+
+    f32 = parse("f32")
+    return in_dtype(dense_circuit(**dims), weights=f32, activations=f32)
+
+
+def test_a_linear_is_priced_at_the_rate_measured_at_its_rows_not_the_dense_peak():
+    # Why: a 128-row prompt chunk's GEMMs ran at ~0.8 of the 256-row peak on the CPU; pricing
+    # them at the peak predicted the prefill step ~25% too fast.
+    c = _f32_circuit(hidden=64)
+    i = _node(c, "l0.attn.q")
+    w = node_work(c, i, Workload.prefill(128, parse("f32")))
+    assert w.matrix_rows == 128 and w.compute is ComputeClass.TENSOR_FP32
+    assert w.time_ns(CPU_RATES) == pytest.approx(w.flops / 1.3e11 * 1e9)  # halfway 64 -> 256
+    at_peak = DeviceRates("gpu-like", 1e15, {"fp32": 1e10, "fp32-matrix": 2e11}, 0.0, 1)
+    assert w.time_ns(at_peak) == pytest.approx(w.flops / 2e11 * 1e9)  # no curve: the peak
+    decode = node_work(c, i, Workload.decode(1, 10, parse("f32")))
+    assert decode.matvec and decode.time_ns(CPU_RATES) == pytest.approx(decode.flops / 1e10 * 1e9)
+
+
+def test_a_per_row_loop_prices_each_pass_at_the_rows_of_one_pass():
+    c = _f32_circuit(hidden=64)
+    w = node_work(c, _node(c, "l0.attn.q"), Workload.prefill(64, parse("f32")), passes=4)
+    assert w.matrix_rows == 16
+    assert w.time_ns(CPU_RATES) == pytest.approx(w.flops / 5e10 * 1e9)
+
+
+def test_prefill_attention_is_priced_at_the_measured_attention_rate_at_its_rows():
+    # Why: a CPU prompt chunk's attention (gather + causal SDPA) ran ~6x below the GEMM rate;
+    # priced at the matrix peak it was nearly free in the prediction.
+    c = _f32_circuit(q_heads=4, kv_heads=2, head_dim=16)
+    i = _node(c, "l0.attn.attn")
+    w = node_work(c, i, Workload.prefill(64, parse("f32")))
+    assert w.attention and w.matrix_rows == 64
+    assert w.time_ns(CPU_RATES) == pytest.approx(w.flops / 2.05e10 * 1e9)  # 64: half of 16->256
+    no_curve = DeviceRates("gpu-like", 1e15, {"fp32": 1e10, "fp32-matrix": 2e11}, 0.0, 1)
+    assert w.time_ns(no_curve) == pytest.approx(w.flops / 2e11 * 1e9)
+    decode = node_work(c, i, Workload.decode(1, 64, parse("f32")))  # one row: matrix-vector
+    assert decode.time_ns(CPU_RATES) == pytest.approx(decode.flops / 1e10 * 1e9)

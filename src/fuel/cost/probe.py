@@ -6,6 +6,26 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
 - Matrix peaks (fp32, bf16, fp16): the CPU backend's linear kernel (the bound ``fused_linear``
   entry: its prepared weight layout, ``mm`` or oneDNN) at M=256, K=N=512 — a prefill-shaped
   GEMM (2·M·K·N FLOP per call).
+- Matrix rates by rows (``gemm_rows_flops``, per dtype): the same kernel, K=N=512, at each
+  row count a CPU prompt chunk runs (``_GEMM_ROWS``: 16 to 256, the sizes
+  ``fuel.runtime.generate`` pads a chunk to), each timed pass calling it once on each of a set
+  of distinct weights (``_ROWS_SET_BYTES`` of them, twice the LLC the VM reports),
+  so every call reads a weight no earlier call of the pass read, as a step's projections do.
+  A CPU GEMM's rate grows with its rows (each weight block is loaded and packed once per call
+  and that cost is shared by the rows): measured here in f32, 128 rows ran at ~0.9 of the
+  256-row rate, 64 rows at ~0.75, 16 rows at ~0.4, and a 128-row prompt chunk's products ran
+  at ~0.75 of the (cache-hot) 256-row peak they were priced at, so ``fuel plan`` predicted the
+  chunk ~25% too fast (a 64-row one ~45%). A dtype whose pass would take over
+  ``_ROWS_BUDGET_NS`` (fp16 here: no fast CPU path) keeps its single dense peak.
+- Attention rates by rows (``attention_rows_flops``): the prompt-chunk attention a CPU run
+  calls (``fuel.jit.paged.sdpa_prefill``: the paged cache gathered through the block table,
+  one causal ``scaled_dot_product_attention``), f32 (the CPU attention computes in f32 whatever
+  the model's dtype), at each of ``_GEMM_ROWS`` rows over a context of as many positions, for
+  ``_ATTENTION_LAYOUT`` (query heads, kv heads, head_dim); FLOPs counted as the report counts
+  them (``4 x heads x head_dim x attended positions``, causal). It is not a packed GEMM:
+  measured here, 128 rows ran at 30-45 GFLOP/s where the linear kernel ran at ~160, so pricing
+  a prompt chunk's attention at the matrix peak made it ~6x too cheap. Nothing to measure
+  (the module gone): no curve, and attention is priced at the matrix peak as before.
 - Matrix-vector rates (``gemv_flops``, per dtype): the same kernel at M=1 on a 4096 x 4096
   weight (64 MiB in f32: twice this machine's last-level cache), as every decode step calls it:
   that rate is what a one-row product achieves, bandwidth and all.
@@ -58,12 +78,27 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 4  # 4: bandwidth beyond the LLC, per-call overhead in a streaming step
+CACHE_VERSION = 5  # 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
 _CALLS_PER_SLICE = 16
 _GEMM_SHAPE = (256, 512, 512)  # (M, K, N) of the prefill-shaped product
+_GEMM_ROWS = (16, 32, 64, 128, 256)
+"""Row counts of the matrix-rate curve: the sizes a CPU prompt chunk runs at
+(``fuel.runtime.generate``: powers of two from ``MIN_BUCKET`` to ``DEFAULT_CHUNK``)."""
+_ROWS_SET_BYTES = 64 * 1024 * 1024
+"""Bytes of distinct weights a rows pass reads (64 512x512 f32 weights, 128 in bf16): twice the
+LLC this VM reports, so the pass's weights are not all cache-resident, as a step's are not."""
+_ATTENTION_LAYOUT = (16, 4, 64)
+"""(query heads, kv heads, head_dim) of the attention probe: head_dim 64 and a 4:1 GQA group,
+between the small models fuel runs on a CPU (SmolLM2-135M: 9/3/64) and 8B-class ones
+(32/8/128). The rate depends on the layout (measured here at 128 rows: 30-50 GFLOP/s across
+those), so it is one stated layout, not the model's."""
+_ATTENTION_BLOCK = 16
+"""Positions per cache block (the engine's ``DEFAULT_BLOCK_SIZE``)."""
+_ROWS_BUDGET_NS = 1_000_000_000
+"""A dtype whose 256-row pass (weights x one call) would take longer has no rows curve."""
 _SLOW_CALL_NS = 100_000_000
 _DTYPES = (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"))
 _CACHE_FRACTIONS = (1 / 16, 1 / 4, 1 / 2, 3 / 4, 1)
@@ -273,6 +308,62 @@ def _linear_rate(torch, dtype, m: int, k: int, n: int, *, shrink: bool = True) -
     return 2 * m * k * n / (measured.median_ns * 1e-9), measured.median_ns
 
 
+def _linear_rows_rates(torch, dtype, call_ns: float) -> list[list[float]] | None:
+    """``[[rows, FLOP/s], ...]`` of the CPU linear kernel at each of ``_GEMM_ROWS`` (see the
+    module docstring), or None when a pass would exceed ``_ROWS_BUDGET_NS`` (``call_ns``: one
+    256-row call, as timed for the dense peak)."""
+    linear = _linear_kernel(torch, dtype)
+    _, k, n = _GEMM_SHAPE
+    count = max(2, _ROWS_SET_BYTES // (k * n * torch.empty((), dtype=dtype).element_size()))
+    if call_ns * count > _ROWS_BUDGET_NS:
+        return None
+    weights = [torch.randn(n, k).to(dtype) for _ in range(count)]
+    rates = []
+    for rows in _GEMM_ROWS:
+        x = torch.randn(rows, k).to(dtype)
+
+        def one_pass() -> None:
+            for w in weights:
+                linear(x, w)
+
+        one_pass()  # prepares each weight's layout for this row count once, as a run does
+        measured = profile_kernel(one_pass, warmup=0, repeats=3, min_sample_ns=0)
+        rates.append([rows, 2 * rows * k * n * count / (measured.median_ns * 1e-9)])
+    return rates
+
+
+def attention_flops(heads: int, head_dim: int, rows: int, context: int) -> int:
+    """FLOPs of causal attention of ``rows`` query rows ending a ``context``-position sequence,
+    as Layer 1 counts them (QK^T and PV: ``4 x heads x head_dim`` per attended position)."""
+    attended = rows * (context - rows) + rows * (rows + 1) // 2
+    return 4 * heads * head_dim * attended
+
+
+def _attention_rows_rates(torch) -> list[list[float]] | None:
+    """``[[rows, FLOP/s], ...]`` of the CPU's prompt-chunk attention at each of ``_GEMM_ROWS``
+    (see the module docstring), or None when this fuel has no such kernel to call."""
+    try:
+        from fuel.jit.paged import sdpa_prefill
+    except ImportError:
+        return None
+    heads, kv_heads, head_dim = _ATTENTION_LAYOUT
+    largest = max(_GEMM_ROWS)
+    blocks = -(-largest // _ATTENTION_BLOCK)
+    k_cache = torch.randn(blocks, _ATTENTION_BLOCK, kv_heads, head_dim)
+    v_cache = torch.randn(blocks, _ATTENTION_BLOCK, kv_heads, head_dim)
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    rates = []
+    for rows in _GEMM_ROWS:
+        q = torch.randn(1, heads, rows, head_dim)
+        lens = torch.tensor([rows], dtype=torch.int32)
+        measured = profile_kernel(
+            lambda: sdpa_prefill(q, k_cache, v_cache, table, lens, head_dim ** -0.5, torch.float32),
+            warmup=2, repeats=5, min_sample_ns=2_000_000)
+        flops = attention_flops(heads, head_dim, rows, rows)
+        rates.append([rows, flops / (measured.median_ns * 1e-9)])
+    return rates
+
+
 def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str]:
     """Run the probes (with ``threads`` torch threads, else torch's default); return the raw
     numbers (see the module docstring)."""
@@ -288,7 +379,7 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
     numbers: dict[str, float | int | str] = {}
     m, k, n = _GEMM_SHAPE
     rows, cols = _GEMV_SHAPE
-    total = 2 * len(_DTYPES) + 4
+    total = 2 * len(_DTYPES) + 5
     with current().task("probing this machine (cpu-local, once)", total=total) as task:
         def step(what: str) -> None:
             task.update(description=f"probing this machine (cpu-local, once): {what}")
@@ -296,7 +387,9 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
         for name, torch_name in _DTYPES:
             dtype = getattr(torch, torch_name)
             step(f"{name} matrix product")
-            numbers[f"{name}_flops"] = _linear_rate(torch, dtype, m, k, n)[0]
+            numbers[f"{name}_flops"], gemm_ns = _linear_rate(torch, dtype, m, k, n)
+            step(f"{name} matrix product by rows")
+            numbers[f"{name}_gemm_rows_flops"] = _linear_rows_rates(torch, dtype, gemm_ns)
             task.advance()
             # The f32 product is the bandwidth probe: always timed on the full, DRAM-sized weight.
             step(f"{name} matrix-vector product")
@@ -314,6 +407,10 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
 
         step("vector rate")
         numbers["vector_flops"] = _vector_flops_per_s(torch)
+        task.advance()
+
+        step("prompt-chunk attention by rows")
+        numbers["attention_rows_flops"] = _attention_rows_rates(torch)
         task.advance()
 
         step("streaming copy")
@@ -349,6 +446,10 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
     classes = {"fp32": PeakClass.FP32, "bf16": PeakClass.BF16, "fp16": PeakClass.FP16}
     peaks = {cls: float(numbers[f"{name}_flops"]) for name, cls in classes.items()}
     gemv = {cls: float(numbers[f"{name}_gemv_flops"]) for name, cls in classes.items()}
+    rows_curves = {cls: tuple((int(r), float(v)) for r, v in numbers[f"{name}_gemm_rows_flops"])
+                   for name, cls in classes.items() if numbers.get(f"{name}_gemm_rows_flops")}
+    attention = tuple((int(r), float(v)) for r, v in numbers.get("attention_rows_flops") or ())
+    heads, kv_heads, head_dim = _ATTENTION_LAYOUT
     probe = f"probed on this machine ({fingerprint}; torch threads={numbers['torch_threads']})"
     m, k, n = _GEMM_SHAPE
     rows, cols = _GEMV_SHAPE
@@ -362,7 +463,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         memory_bytes=int(numbers["memory_bytes"]),
         launch_overhead_ns=int(numbers["launch_overhead_ns"]),
         sources={
-            "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements",
+            "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; by rows: the same kernel at M={', '.join(map(str, _GEMM_ROWS))} over {_ROWS_SET_BYTES >> 20} MiB of distinct weights (for {', '.join(sorted(c.value for c in rows_curves)) or 'no dtype'}); matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements; attention by rows: {'the prompt-chunk attention (sdpa_prefill, f32, ' + f'{heads}/{kv_heads} heads of {head_dim}) at as many rows as positions' if attention else 'not measured (no prompt-chunk attention kernel)'}",
             "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
             "memory": f"{probe}: physical RAM (sysconf)",
             "launch_overhead": f"{probe}: what a one-element torch.add adds after each streamed weight slice, {_CALLS_PER_SLICE} a slice (a call in a step, caches just flushed; back to back it takes {float(numbers['hot_call_ns']) / 1e3:.1f} us); also the host cost of a view",
@@ -376,6 +477,8 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         ),
         gemv_flops=gemv,
         host_call_ns=int(numbers["launch_overhead_ns"]),
+        gemm_rows_flops=rows_curves,
+        attention_rows_flops=attention,
     )
 
 
@@ -386,6 +489,10 @@ _REQUIRED = (
     "fp32_gemv_flops",
     "bf16_gemv_flops",
     "fp16_gemv_flops",
+    "fp32_gemm_rows_flops",
+    "bf16_gemm_rows_flops",
+    "fp16_gemm_rows_flops",
+    "attention_rows_flops",
     "copy_bytes_per_s",
     "vector_flops",
     "bandwidth_bytes_per_s",

@@ -21,6 +21,8 @@ Invariants:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -76,6 +78,30 @@ def peak_class_of(dtype: str) -> PeakClass | None:
     return _DTYPE_PEAK.get(key)
 
 
+def rate_at_rows(points: Sequence[tuple[int, float]], rows: int) -> float | None:
+    """The rate of a product of ``rows`` rows from rates measured at some row counts.
+
+    ``points`` are ``(rows, FLOP/s)`` measured on one kernel. Between two measured row counts
+    the rate is interpolated linearly in ``log2(rows)`` (the probe measures at powers of two, so
+    each step of the table is one doubling); outside them it is the nearest measured rate (a
+    kernel's rate levels off past its largest measured rows; fewer rows than the smallest
+    measured are priced no slower than it was measured, never extrapolated). No usable point:
+    None. Pure: same points and rows, same rate."""
+    usable = sorted((int(r), float(v)) for r, v in points
+                    if r >= 1 and math.isfinite(v) and v > 0)
+    if not usable:
+        return None
+    if rows <= usable[0][0]:
+        return usable[0][1]
+    for (low, low_rate), (high, high_rate) in zip(usable, usable[1:]):
+        if rows <= high:
+            if high == low:
+                return high_rate
+            t = (math.log2(rows) - math.log2(low)) / (math.log2(high) - math.log2(low))
+            return low_rate + t * (high_rate - low_rate)
+    return usable[-1][1]
+
+
 class DeviceKind(Enum):
     GPU = "gpu"
     CPU = "cpu"
@@ -114,6 +140,19 @@ class DeviceSpec:
     host_call_ns: int = 0
     """Host time of one framework call that launches no kernel (a view). 0 on a GPU (the host
     runs ahead of the device); the probed per-call overhead on ``cpu-local``."""
+    gemm_rows_flops: dict[PeakClass, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """Matrix-product FLOP/s per dtype at several row counts, ``((rows, FLOP/s), ...)``, where
+    they were measured (``cpu-local``: the CPU linear kernel at each prompt-chunk size, each
+    call reading a weight the pass has not read yet, as a step's projections do). A CPU GEMM's
+    rate depends on its rows — the kernel loads and packs each weight block once per call and
+    amortizes that over the rows — so a 128-row product runs well below the 256-row peak; a
+    product of ``rows`` rows is priced at :func:`rate_at_rows` of these (with the matrix-vector
+    rate as the one-row point). A datasheet device has none and uses its dense peak."""
+    attention_rows_flops: tuple[tuple[int, float], ...] = ()
+    """Attention FLOP/s of a prompt chunk at several row counts, ``((rows, FLOP/s), ...)``, where
+    measured (``cpu-local``: the CPU's prompt-chunk attention, which is not a packed GEMM and
+    runs far below the matrix rate). Attention of several rows a sequence is priced at
+    :func:`rate_at_rows` of these; empty (a datasheet device): at the dense matrix peak."""
 
     def has_cache_tier(self) -> bool:
         return self.cache_bytes is not None and self.cache_bandwidth_bytes_per_s is not None
@@ -121,10 +160,20 @@ class DeviceSpec:
     def matrix_peak(self, dtype: str, *, rows: int = 0) -> float | None:
         """Dense matrix FLOP/s for a dtype, or None when the device has no such peak. A
         one-row product (``rows == 1``) takes the measured matrix-vector rate where there is
-        one."""
+        one; a product of more rows the rate measured at its rows (``gemm_rows_flops``,
+        interpolated) where the device has that curve; ``rows == 0`` (unknown) the dense peak."""
         peak = peak_class_of(dtype)
         if peak is None:
             return None
         if rows == 1 and peak in self.gemv_flops:
             return self.gemv_flops[peak]
+        if rows >= 1 and self.gemm_rows_flops.get(peak):
+            return rate_at_rows(self.rows_curve(peak), rows)
         return self.peak_flops.get(peak)
+
+    def rows_curve(self, peak: PeakClass) -> tuple[tuple[int, float], ...]:
+        """The measured ``(rows, FLOP/s)`` points of ``peak``'s products: the matrix-vector rate
+        at one row (where measured), then ``gemm_rows_flops``; empty when neither was measured."""
+        one = ((1, self.gemv_flops[peak]),) if peak in self.gemv_flops else ()
+        curve = self.gemm_rows_flops.get(peak, ())
+        return (*one, *curve) if curve else ()

@@ -51,7 +51,10 @@ NOTES = (
     "E*(1-(1-k/E)^T) distinct experts for T tokens (uniform routing).",
     "Matmul-like ops run at the matrix peak of their input dtype (fp4 inputs on a chip with no "
     "fp4 peak at its fp8, else bf16, peak); a one-row product (decode) at the device's measured "
-    "matrix-vector rate where it has one; element-wise ops at the fp32 vector peak. Available "
+    "matrix-vector rate where it has one; a product of more rows at the rate the device measured "
+    "at its rows where it has such rates (a probed CPU), and attention of several rows a "
+    "sequence at the device's measured prompt-chunk attention rate at its rows (measured with "
+    "as many positions as rows); element-wise ops at the fp32 vector peak. Available "
     "kernels are the offline view (every kernel the rule set names).",
     "Memory fit: usable = device memory x 0.9; need = stored weights + KV bytes per token x "
     "context x C.",
@@ -142,8 +145,8 @@ def device_info(spec: Any) -> DeviceInfo:
     """The report's view of a cost-stage :class:`fuel.cost.spec.DeviceSpec`: bandwidth, the
     fp32 vector rate (``fp32``), the dense matrix peaks the roofline prices at (``bf16``,
     falling back to the chip's fp16 peak, which datasheets quote as equal; ``fp16``;
-    ``fp32-matrix``; ``fp8``; ``fp4``) and the measured matrix-vector rates where the spec has
-    them."""
+    ``fp32-matrix``; ``fp8``; ``fp4``), the measured matrix-vector rates, the matrix rates by
+    rows and the attention rates by rows where the spec has them."""
     from fuel.cost.spec import PeakClass
 
     peaks = {"fp32": float(spec.vector_flops)}
@@ -154,8 +157,13 @@ def device_info(spec: Any) -> DeviceInfo:
     peaks.update({k: float(v) for k, v in tensor.items() if v})
     names = {PeakClass.FP32: "fp32-matrix", PeakClass.FP16: "fp16", PeakClass.BF16: "bf16"}
     matvec = {names[c]: float(v) for c, v in spec.gemv_flops.items() if c in names and v}
+    by_rows = {names[c]: tuple((int(r), float(v)) for r, v in curve)
+               for c, curve in sorted(spec.gemm_rows_flops.items(), key=lambda kv: kv[0].value)
+               if c in names and curve}
+    attention = tuple((int(r), float(v)) for r, v in spec.attention_rows_flops)
     rates = DeviceRates(spec.name, float(spec.bandwidth_bytes_per_s), peaks,
-                        float(spec.launch_overhead_ns), int(spec.memory_bytes), matvec)
+                        float(spec.launch_overhead_ns), int(spec.memory_bytes), matvec, by_rows,
+                        attention)
     return DeviceInfo(rates, spec.title, dict(spec.sources))
 
 

@@ -32,8 +32,11 @@ The model (stated, because every number in the report follows from it):
 - Matmul-like ops (linear, lm_head, router, experts, attention) run at the matrix peak of their
   input's dtype (fp8 when the input edge is stored fp8, fp4 for nvfp4/mxfp4, fp32 and fp16 for
   f32 and f16 edges, else bf16); a one-row product per pass (decode) runs at the device's
-  measured matrix-vector rate where it has one (``cpu-local``). Element-wise ops at the fp32
-  (vector) peak. A missing peak is a :class:`MissingRate`.
+  measured matrix-vector rate where it has one (``cpu-local``), a product of more rows at the
+  rate the device measured at its rows where it has such a curve (``cpu-local``: a CPU GEMM's
+  rate grows with its rows), attention of several rows a sequence at the device's measured
+  attention rate at those rows where it has one (``cpu-local``: not a packed GEMM). Element-wise
+  ops at the fp32 (vector) peak. A missing peak is a :class:`MissingRate`.
 
 Invariants: every cost is finite and non-negative; the ceiling never includes launch overhead;
 the weight floor is the weight bytes read by a plan-free decode step of one row divided by the
@@ -118,11 +121,43 @@ class DeviceRates:
     matvec_peaks: Mapping[str, float] = field(default_factory=dict)
     """Measured one-row (matrix-vector) rates per compute class, where the device has them
     (``cpu-local``); a one-row product runs at it instead of the dense peak."""
+    rows_peaks: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """Measured ``(rows, FLOP/s)`` points per compute class where the device has them
+    (``cpu-local``: its linear kernel at each prompt-chunk size, see
+    :attr:`fuel.cost.spec.DeviceSpec.gemm_rows_flops`); a product of ``rows`` rows runs at the
+    rate interpolated between them (:func:`fuel.cost.spec.rate_at_rows`) instead of the dense
+    peak, because a CPU GEMM's rate depends on its rows."""
+    attention_peaks: tuple[tuple[int, float], ...] = ()
+    """Measured ``(rows, FLOP/s)`` of a prompt chunk's attention where the device has them
+    (``cpu-local``, :attr:`fuel.cost.spec.DeviceSpec.attention_rows_flops`): attention of
+    several rows a sequence runs at the rate interpolated at its rows, not the matrix peak."""
 
-    def peak(self, compute: ComputeClass, *, matvec: bool = False) -> float:
+    def attention_peak(self, compute: ComputeClass, *, matvec: bool = False,
+                       rows: int = 0) -> float:
+        """FLOP/s of attention computing ``rows`` query rows a sequence: the measured attention
+        rate at those rows where the device has one (``rows`` >= 2), else :meth:`peak`."""
+        if not matvec and rows >= 2 and self.attention_peaks:
+            from fuel.cost.spec import rate_at_rows
+
+            rate = rate_at_rows(self.attention_peaks, rows)
+            if rate is not None:
+                return rate
+        return self.peak(compute, matvec=matvec)
+
+    def peak(self, compute: ComputeClass, *, matvec: bool = False, rows: int = 0) -> float:
+        """FLOP/s of ``compute``: the one-row rate for ``matvec``, the rate measured at ``rows``
+        rows (``rows`` >= 2, where measured), else the dense peak (with its fallbacks)."""
         if matvec:
             rate = self.matvec_peaks.get(compute.value)
             if rate is not None and math.isfinite(rate) and rate > 0:
+                return rate
+        if rows >= 2 and self.rows_peaks.get(compute.value):
+            from fuel.cost.spec import rate_at_rows
+
+            one = self.matvec_peaks.get(compute.value)
+            points = (*(((1, one),) if one else ()), *self.rows_peaks[compute.value])
+            rate = rate_at_rows(points, rows)
+            if rate is not None:
                 return rate
         rate = self.peaks.get(compute.value)
         # fp4 on a chip without fp4 units runs at its fp8 (or bf16) tensor rate after unpacking;
@@ -196,6 +231,12 @@ class NodeWork:
     matvec: bool = False
     """A one-row matrix product per pass (decode): priced at the measured matrix-vector rate
     where the device has one."""
+    matrix_rows: int = 0
+    """Rows of each pass's matrix product (0: not a product the device's linear kernel runs);
+    priced at the rate the device measured at those rows where it has such rates."""
+    attention: bool = False
+    """Attention: ``matrix_rows`` are its query rows a sequence, priced at the device's
+    measured attention rate at those rows where it has one."""
 
     @property
     def bytes(self) -> float:
@@ -204,8 +245,9 @@ class NodeWork:
     def time_ns(self, rates: DeviceRates) -> float:
         """The roofline time: the slower of moving the bytes and doing the FLOPs."""
         memory = self.bytes / rates.bandwidth * 1e9
-        compute = (self.flops / rates.peak(self.compute, matvec=self.matvec) * 1e9
-                   if self.flops else 0.0)
+        rate = rates.attention_peak if self.attention else rates.peak
+        compute = (self.flops / rate(self.compute, matvec=self.matvec, rows=self.matrix_rows)
+                   * 1e9 if self.flops else 0.0)
         return max(memory, compute)
 
 
@@ -310,8 +352,11 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
         return NodeWork(float(per_element * elements(edges)), 0.0, io_bytes(), 0.0,
                         ComputeClass.VECTOR)
 
+    def rows_per_pass() -> int:
+        return math.ceil(rows / max(passes, 1))
+
     def one_row_per_pass() -> bool:
-        return math.ceil(rows / max(passes, 1)) == 1
+        return rows_per_pass() == 1
 
     def sequence_passes(seq: SequenceRows) -> int:
         # A per-row loop of `passes` launches over `rows` rows visits a sequence once per piece of
@@ -328,7 +373,8 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             k, n = in_dim(), out_dim()
             weight = fmt.weight_bytes(n, k) + _bias_bytes(node, n)
             return NodeWork(2.0 * rows * k * n, float(weight * passes), io_bytes(), 0.0,
-                            input_compute(), matvec=one_row_per_pass())
+                            input_compute(), matvec=one_row_per_pass(),
+                            matrix_rows=rows_per_pass())
         case OpKind.EXPERT_GATE_UP | OpKind.EXPERT_DOWN:
             fmt = _weight_format(circuit, node)
             experts, top_k = _dim(circuit, node, "experts"), _dim(circuit, node, "top_k")
@@ -349,8 +395,10 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             kv = sum(sequence_passes(s) * min(s.context, window or s.context) * per_token
                      for s in workload.sequences)
             flops = 4.0 * heads * head_dim * positions
+            query_rows = min(max(s.rows for s in workload.sequences), rows_per_pass())
             return NodeWork(flops, 0.0, io_bytes(), float(kv), input_compute(),
-                            matvec=max(s.rows for s in workload.sequences) == 1)
+                            matvec=max(s.rows for s in workload.sequences) == 1,
+                            matrix_rows=query_rows, attention=True)
         case OpKind.KV_WRITE:
             width = _dim(circuit, node, "kv_heads") * _dim(circuit, node, "head_dim")
             written = rows * kv_token_bytes(workload.kv_format, width)
