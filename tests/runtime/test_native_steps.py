@@ -268,16 +268,21 @@ def test_an_embedding_row_of_packed_bytes_is_gathered_and_dequantized_in_the_lis
 def native_jit_engine(smollm2_weights, fuel_cache, tmp_path_factory):
     """SmolLM2 in f32 with the CPU synthesizer fuel runs with (native paged attention and
     residual_add_rms_norm adopted where the Judge measures them faster)."""
+    return _jit_engine(smollm2_weights, fuel_cache, tmp_path_factory.mktemp("steps"))
+
+
+def _jit_engine(weights, fuel_cache, folder):
+    """An engine over ``weights`` with the CPU synthesizer fuel runs with and its own Judge."""
     from fuel.jit.native_synth import CpuSynthesizer
     from fuel.runtime.engine import Engine
     from fuel.runtime.model import jit_options
 
     torch.set_num_threads(2)
     table = cpu_table()
-    options = jit_options(table, store_path=tmp_path_factory.mktemp("steps") / "judge.sqlite",
+    options = jit_options(table, store_path=folder / "judge.sqlite",
                           synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
     options.jit.profile_options = {"warmup": 1, "repeats": 5, "min_sample_ns": 50_000}
-    return Engine(smollm2_weights, max_context=256, table=table, optimize_options=options)
+    return Engine(weights, max_context=256, table=table, optimize_options=options)
 
 
 def test_a_smollm2_decode_step_is_one_call_and_its_greedy_text_equals_transformers(
@@ -346,18 +351,10 @@ def test_a_root_that_is_a_reshaped_view_of_a_fed_cache_is_declined_not_returned_
 @pytest.fixture(scope="module")
 def bf16_jit_engine(fuel_cache, tmp_path_factory):
     """SmolLM2 in bf16 (matrices and KV cache) with the CPU synthesizer fuel runs with."""
-    from fuel.jit.native_synth import CpuSynthesizer
-    from fuel.runtime.engine import Engine
-    from fuel.runtime.model import jit_options
     from fuel.runtime.weights import load_weights
 
-    torch.set_num_threads(2)
     weights = load_weights(dtype="bf16", cache=fuel_cache, progress=False)
-    table = cpu_table()
-    options = jit_options(table, store_path=tmp_path_factory.mktemp("bf16") / "judge.sqlite",
-                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
-    options.jit.profile_options = {"warmup": 1, "repeats": 5, "min_sample_ns": 50_000}
-    return Engine(weights, max_context=256, table=table, optimize_options=options)
+    return _jit_engine(weights, fuel_cache, tmp_path_factory.mktemp("bf16"))
 
 
 def test_a_bf16_decode_step_keeps_its_kv_cache_in_bf16_in_one_call_with_the_per_node_logits(
