@@ -143,6 +143,7 @@ class StepProgram:
     last_route: Any = None
     """The :class:`~fuel.runtime.route_picker.Route` the latest :meth:`run` took (None: no
     live branch)."""
+    _launches: int | None = None
 
     @property
     def digest(self) -> str:
@@ -150,7 +151,10 @@ class StepProgram:
 
     @property
     def launches(self) -> int:
-        return self.step.plan.launches()
+        """The plan's launch count (counted once: the engine reads it at every step)."""
+        if self._launches is None:
+            self._launches = self.step.plan.launches()
+        return self._launches
 
     @property
     def dispatched(self) -> int:
