@@ -1347,8 +1347,20 @@ static inline const float *cache_row(int kv_fmt, const void *cache, int64_t row,
                                      float *buffer) {
     if (kv_fmt == F32) return (const float *)cache + row * D;
     const uint16_t *h = (const uint16_t *)cache + row * D;
-    if (kv_fmt == BF16) for (int64_t d = 0; d < D; d++) buffer[d] = bf16_to_float(h[d]);
-    else for (int64_t d = 0; d < D; d++) buffer[d] = half_to_float(h[d]);
+    int64_t d = 0;
+#ifdef __AVX2__  /* exact widenings, 8 at a time */
+    for (; d + 8 <= D; d += 8) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(h + d));
+#ifdef __F16C__
+        if (kv_fmt == F16) { _mm256_storeu_ps(buffer + d, _mm256_cvtph_ps(v)); continue; }
+#else
+        if (kv_fmt == F16) break;
+#endif
+        _mm256_storeu_ps(buffer + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+    }
+#endif
+    if (kv_fmt == BF16) for (; d < D; d++) buffer[d] = bf16_to_float(h[d]);
+    else for (; d < D; d++) buffer[d] = half_to_float(h[d]);
     return buffer;
 }
 
