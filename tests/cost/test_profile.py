@@ -85,3 +85,43 @@ def test_a_call_under_the_ceiling_is_sampled_as_usual():
                               min_sample_ns=1, ceiling_ns=1_000_000, clock=clock)
     assert measured.samples == 9 and measured.median_ns == 1000
     assert len(seen) == 2 + 1 + 9  # the two racing calls stand for the warm-up
+
+
+def test_a_pair_is_sampled_interleaved_so_interference_lands_on_both_sides():
+    from fuel.cost import profile_pair
+
+    order, state = [], {"now": 0, "samples": 0}
+
+    def side(name, ns):
+        def call():
+            order.append(name)
+            state["now"] += ns
+        return call
+
+    a, b = side("a", 1000), side("b", 3000)
+
+    def clock():
+        return state["now"]
+
+    first, second = profile_pair(a, b, warmup=1, repeats=4, min_sample_ns=1, clock=clock)
+    # warm-up and one calibration call each, then the rounds: a b, b a, a b, b a
+    assert order == ["a", "a", "b", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
+    assert (first.median_ns, second.median_ns) == (1000, 3000)
+    assert first.samples == second.samples == 4
+
+
+def test_a_burst_of_interference_does_not_make_one_side_of_a_pair_look_slower():
+    from fuel.cost import profile_pair
+
+    state = {"now": 0, "call": 0}
+    burst = set(range(8, 14))  # calls 8..13: another process holds the core
+
+    def side(ns):
+        def call():
+            state["call"] += 1
+            state["now"] += ns * (50 if state["call"] in burst else 1)
+        return call
+
+    first, second = profile_pair(side(1000), side(1000), warmup=1, repeats=9, min_sample_ns=1,
+                                 clock=lambda: state["now"])
+    assert first.median_ns == second.median_ns == 1000  # the burst is in both sides' tails

@@ -11,7 +11,7 @@ Public API:
 - :func:`estimate`, :func:`estimate_for_kernel`, :func:`size_class_of`, :func:`judge_op_name`,
   :class:`Unestimated` — Layer 1 for a tensor-graph node (and for the kernel bound to run it).
 - :class:`JudgeOracle`, :class:`JudgeStore`, :class:`StoredMeasurement`,
-  :func:`profile_kernel`, :class:`Measurement` — the Judge.
+  :func:`profile_kernel`, :func:`profile_pair`, :class:`Measurement` — the Judge.
 
 Importing this package is cheap: torch is imported only by the probe and the profiler's
 callers, inside functions.
@@ -34,7 +34,7 @@ from fuel.cost.estimate import (
 from fuel.cost.fingerprint import device_fingerprint, library_versions
 from fuel.cost.judge import JudgeOracle
 from fuel.cost.probe import probe_cpu_local
-from fuel.cost.profile import Measurement, profile_kernel
+from fuel.cost.profile import Measurement, profile_kernel, profile_pair
 from fuel.cost.roofline import (
     SATURATED_NS,
     Bound,
@@ -98,6 +98,7 @@ __all__ = [
     "peak_class_of",
     "probe_cpu_local",
     "profile_kernel",
+    "profile_pair",
     "roofline",
     "size_class",
     "size_class_attention",

@@ -84,21 +84,8 @@ def profile_kernel(
         if alone > ceiling_ns:
             return Measurement(median_ns=max(1, alone), spread_ns=0, samples=1, calls_per_sample=1)
         warmup = max(0, warmup - 2)
-    for index in range(warmup):
-        start = clock()
-        call()
-        if budget_ns is not None and index == 0 and clock() - start >= budget_ns // 10:
-            break  # a slow kernel: its first call warmed what there is to warm
-    # Calibrate: double the batch until one batch spans min_sample_ns.
-    calls = 1
-    while True:
-        start = clock()
-        for _ in range(calls):
-            call()
-        elapsed = clock() - start
-        if elapsed >= min_sample_ns or calls >= max_calls_per_sample:
-            break
-        calls = min(calls * 2, max_calls_per_sample)
+    calls, elapsed = _warm_and_calibrate(call, warmup, min_sample_ns, max_calls_per_sample,
+                                         budget_ns, clock)
     if budget_ns is not None and elapsed > 0:
         repeats = max(min(repeats, MIN_SAMPLES), min(repeats, budget_ns // elapsed))
     per_call: list[float] = []
@@ -107,12 +94,75 @@ def profile_kernel(
         for _ in range(calls):
             call()
         per_call.append((clock() - start) / calls)
-    per_call.sort()
+    return _summary(per_call, calls)
+
+
+def _summary(per_call: list[float], calls: int) -> Measurement:
+    """The median and inter-quartile spread of per-call sample times."""
+    per_call = sorted(per_call)
     median = statistics.median(per_call)
     spread = _quantile(per_call, 0.75) - _quantile(per_call, 0.25)
     return Measurement(
         median_ns=max(1, round(median)),
         spread_ns=max(0, round(spread)),
-        samples=repeats,
+        samples=len(per_call),
         calls_per_sample=calls,
     )
+
+
+def _warm_and_calibrate(call: Callable[[], object], warmup: int, min_sample_ns: int,
+                        max_calls_per_sample: int, budget_ns: int | None,
+                        clock: Callable[[], int]) -> tuple[int, int]:
+    """Warm ``call`` up (a slow kernel, whose first call already spends a tenth of the budget,
+    once: that call warmed what there is to warm), then double the batch until one batch spans
+    ``min_sample_ns``: (calls a sample, ns of that batch)."""
+    for index in range(warmup):
+        start = clock()
+        call()
+        if budget_ns is not None and index == 0 and clock() - start >= budget_ns // 10:
+            break
+    calls = 1
+    while True:
+        start = clock()
+        for _ in range(calls):
+            call()
+        elapsed = clock() - start
+        if elapsed >= min_sample_ns or calls >= max_calls_per_sample:
+            return calls, elapsed
+        calls = min(calls * 2, max_calls_per_sample)
+
+
+def profile_pair(
+    first: Callable[[], object],
+    second: Callable[[], object],
+    *,
+    warmup: int = 3,
+    repeats: int = 15,
+    min_sample_ns: int = 200_000,
+    max_calls_per_sample: int = 10_000,
+    budget_ns: int | None = None,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> tuple[Measurement, Measurement]:
+    """Measure two calls that will be compared, their samples interleaved (first, second, then
+    second, first, ...) instead of one burst each: on a machine other work also uses, a stretch
+    of interference (another process's time slice on the core a parallel kernel waits for) then
+    lands on both sides alike, and the medians compare the calls, not the moments they ran in.
+    Each side is warmed up and calibrated as :func:`profile_kernel` does; under ``budget_ns``
+    the repeats fit the slower side's budget (never below :data:`MIN_SAMPLES`)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError("profile_pair needs repeats >= 1 and warmup >= 0")
+    sides = (first, second)
+    batches = [_warm_and_calibrate(call, warmup, min_sample_ns, max_calls_per_sample, budget_ns,
+                                   clock) for call in sides]
+    slowest = max(elapsed for _, elapsed in batches)
+    if budget_ns is not None and slowest > 0:
+        repeats = max(min(repeats, MIN_SAMPLES), min(repeats, budget_ns // slowest))
+    per_call: tuple[list[float], list[float]] = ([], [])
+    for round_ in range(repeats):
+        for side in ((0, 1) if round_ % 2 == 0 else (1, 0)):
+            call, calls = sides[side], batches[side][0]
+            start = clock()
+            for _ in range(calls):
+                call()
+            per_call[side].append((clock() - start) / calls)
+    return _summary(per_call[0], batches[0][0]), _summary(per_call[1], batches[1][0])

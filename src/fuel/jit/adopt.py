@@ -14,7 +14,8 @@ Decides whether a kernel a synthesizer handed over may run in place of its regio
    element, computed from the same inputs; a wrong kernel is rejected with a report sent to
    ``on_rejected`` (max error, where, tolerance, the bound's allowance there); a bound that is
    not finite and non-negative rejects its kernel (nothing verifiable against it);
-4. the cost gate: profile the kernel and the decomposed region on the same inputs; adopt only
+4. the cost gate: profile the kernel and the decomposed region on the same inputs, their samples
+   interleaved (``fuel.cost.profile.profile_pair``); adopt only
    when the kernel is strictly faster (both figures are recorded either way; a slower kernel is
    rejected through ``on_rejected`` too);
 5. register the region (``RuntimeFusedRegistry``, deduplicated by structural hash), bind the
@@ -164,13 +165,13 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
         synth.on_rejected(entry, check.report)
         return record(Outcome.WRONG, check.report, **known)
 
-    from fuel.cost.profile import profile_kernel
+    from fuel.cost.profile import profile_pair
 
-    measured = profile_kernel(lambda: kernel.run(*bench.inputs), repeats=profile_repeats,
-                              budget_ns=GATE_BUDGET_NS)
-    kernel_ns = measured.median_ns
-    decomposed_ns = profile_kernel(lambda: bench.program.run(bench.feeds),
-                                   repeats=profile_repeats, budget_ns=GATE_BUDGET_NS).median_ns
+    # Interleaved, so interference from other work lands on both sides alike.
+    measured, decomposed = profile_pair(lambda: kernel.run(*bench.inputs),
+                                        lambda: bench.program.run(bench.feeds),
+                                        repeats=profile_repeats, budget_ns=GATE_BUDGET_NS)
+    kernel_ns, decomposed_ns = measured.median_ns, decomposed.median_ns
     known.update(kernel_ns=kernel_ns, decomposed_ns=decomposed_ns)
     if kernel_ns >= decomposed_ns:
         report = (f"slower: kernel {kernel_ns} ns >= decomposed region {decomposed_ns} ns "
