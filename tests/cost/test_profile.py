@@ -125,3 +125,23 @@ def test_a_burst_of_interference_does_not_make_one_side_of_a_pair_look_slower():
     first, second = profile_pair(side(1000), side(1000), warmup=1, repeats=9, min_sample_ns=1,
                                  clock=lambda: state["now"])
     assert first.median_ns == second.median_ns == 1000  # the burst is in both sides' tails
+
+
+def test_cells_are_sampled_in_rounds_each_within_its_own_budget():
+    from fuel.cost import profile_cells
+
+    order, state = [], {"now": 0}
+
+    def cell(name, ns):
+        def call():
+            order.append(name)
+            state["now"] += ns
+        return call
+
+    fast, slow = cell("f", 1000), cell("s", 100_000_000)  # 0.1 s a call: 3 samples in budget
+    measured = profile_cells([fast, slow], warmup=1, repeats=5, min_sample_ns=1,
+                             budget_ns=300_000_000, clock=lambda: state["now"])
+    assert [m.samples for m in measured] == [5, 3]
+    assert [m.median_ns for m in measured] == [1000, 100_000_000]
+    rounds = order[4:]  # after one warm-up and one calibration call each
+    assert rounds == ["f", "s", "s", "f", "f", "s", "f", "f"]

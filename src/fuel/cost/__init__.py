@@ -34,7 +34,7 @@ from fuel.cost.estimate import (
 from fuel.cost.fingerprint import device_fingerprint, library_versions
 from fuel.cost.judge import JudgeOracle
 from fuel.cost.probe import probe_cpu_local
-from fuel.cost.profile import Measurement, profile_kernel, profile_pair
+from fuel.cost.profile import Measurement, profile_cells, profile_kernel, profile_pair
 from fuel.cost.roofline import (
     SATURATED_NS,
     Bound,
@@ -97,6 +97,7 @@ __all__ = [
     "memory_tier",
     "peak_class_of",
     "probe_cpu_local",
+    "profile_cells",
     "profile_kernel",
     "profile_pair",
     "roofline",

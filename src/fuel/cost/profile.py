@@ -132,6 +132,57 @@ def _warm_and_calibrate(call: Callable[[], object], warmup: int, min_sample_ns: 
         calls = min(calls * 2, max_calls_per_sample)
 
 
+def profile_cells(
+    calls: list[Callable[[], object]],
+    *,
+    warmup: int = 3,
+    repeats: int = 15,
+    min_sample_ns: int = 200_000,
+    max_calls_per_sample: int = 10_000,
+    budget_ns: int | None = None,
+    common_repeats: bool = False,
+    clock: Callable[[], int] = time.perf_counter_ns,
+    on_call: Callable[[int], object] | None = None,
+) -> list[Measurement]:
+    """Measure several calls whose latencies will be compared, their samples taken in rounds
+    (every call once a round, the order reversed each round) instead of one burst each: on a
+    machine other work also uses, a stretch of interference (another process's time slice on
+    the core a parallel kernel waits for) then spreads over all of them, and each median is the
+    call's, not the moment's. Each call is warmed up and calibrated as :func:`profile_kernel`
+    does (``on_call(index)`` is told first, for a progress bar); under ``budget_ns`` each call
+    keeps as many samples as its own budget allows (never below :data:`MIN_SAMPLES`), or, with
+    ``common_repeats``, all take as many as the slowest's budget allows (every sample paired)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError("profiling needs repeats >= 1 and warmup >= 0")
+    batches = []
+    for index, call in enumerate(calls):
+        if on_call is not None:
+            on_call(index)
+        batches.append(_warm_and_calibrate(call, warmup, min_sample_ns, max_calls_per_sample,
+                                           budget_ns, clock))
+
+    def fitted(elapsed: int) -> int:
+        if budget_ns is None or elapsed <= 0:
+            return repeats
+        return max(min(repeats, MIN_SAMPLES), min(repeats, budget_ns // elapsed))
+
+    counts = [fitted(elapsed) for _, elapsed in batches]
+    if common_repeats and counts:
+        counts = [min(counts)] * len(counts)
+    per_call: list[list[float]] = [[] for _ in calls]
+    order = list(range(len(calls)))
+    for round_ in range(max(counts, default=0)):
+        for index in (order if round_ % 2 == 0 else order[::-1]):
+            if round_ >= counts[index]:
+                continue
+            call, batch = calls[index], batches[index][0]
+            start = clock()
+            for _ in range(batch):
+                call()
+            per_call[index].append((clock() - start) / batch)
+    return [_summary(samples, batch) for samples, (batch, _) in zip(per_call, batches)]
+
+
 def profile_pair(
     first: Callable[[], object],
     second: Callable[[], object],
@@ -143,26 +194,10 @@ def profile_pair(
     budget_ns: int | None = None,
     clock: Callable[[], int] = time.perf_counter_ns,
 ) -> tuple[Measurement, Measurement]:
-    """Measure two calls that will be compared, their samples interleaved (first, second, then
-    second, first, ...) instead of one burst each: on a machine other work also uses, a stretch
-    of interference (another process's time slice on the core a parallel kernel waits for) then
-    lands on both sides alike, and the medians compare the calls, not the moments they ran in.
-    Each side is warmed up and calibrated as :func:`profile_kernel` does; under ``budget_ns``
-    the repeats fit the slower side's budget (never below :data:`MIN_SAMPLES`)."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError("profile_pair needs repeats >= 1 and warmup >= 0")
-    sides = (first, second)
-    batches = [_warm_and_calibrate(call, warmup, min_sample_ns, max_calls_per_sample, budget_ns,
-                                   clock) for call in sides]
-    slowest = max(elapsed for _, elapsed in batches)
-    if budget_ns is not None and slowest > 0:
-        repeats = max(min(repeats, MIN_SAMPLES), min(repeats, budget_ns // slowest))
-    per_call: tuple[list[float], list[float]] = ([], [])
-    for round_ in range(repeats):
-        for side in ((0, 1) if round_ % 2 == 0 else (1, 0)):
-            call, calls = sides[side], batches[side][0]
-            start = clock()
-            for _ in range(calls):
-                call()
-            per_call[side].append((clock() - start) / calls)
-    return _summary(per_call[0], batches[0][0]), _summary(per_call[1], batches[1][0])
+    """Two calls that will be compared, measured by :func:`profile_cells` with every sample
+    paired (first, second, then second, first, ...)."""
+    first_m, second_m = profile_cells([first, second], warmup=warmup, repeats=repeats,
+                                      min_sample_ns=min_sample_ns,
+                                      max_calls_per_sample=max_calls_per_sample,
+                                      budget_ns=budget_ns, common_repeats=True, clock=clock)
+    return first_m, second_m

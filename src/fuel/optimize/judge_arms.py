@@ -21,7 +21,7 @@ from typing import Any
 
 from fuel.cost.fingerprint import device_fingerprint, library_versions
 from fuel.cost.judge import JudgeOracle
-from fuel.cost.profile import Measurement, profile_kernel
+from fuel.cost.profile import Measurement, profile_cells, profile_kernel
 from fuel.cost.store import StoredMeasurement
 from fuel.graph.branch import arm_interiors, lower
 from fuel.graph.dtype import BackendId
@@ -69,6 +69,11 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     tests inject a forced measurement for chosen keys). ``on_cell(index, total, key)`` is told
     before each cell is timed (the CLI's progress bar).
 
+    With the default profiler the cells are timed in rounds (:func:`~fuel.cost.profile_cells`):
+    every cell sampled once a round, so a stretch of interference from other work spreads over
+    all of them instead of landing on one arm's burst (a bf16 GEMV timed alone at 8 ms, its
+    14 us, once kept a recipe and cost a decode step its native step list).
+
     A table's *variant arm* cells (``KernelEntry.variant_arm``: torch's int4pack kernel) are
     timed last, racing the arms measured before them: with the default profiler, a variant
     whose second call alone takes more than :data:`RACE_MARGIN` times the cheapest other arm
@@ -105,32 +110,54 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
 
     variant = {key for key, node_id in wanted.items() if entry_of(node_id).variant_arm}
     order = sorted(wanted, key=lambda key: (key in variant, key))  # variant arms race last
-    medians: dict[tuple[str, ...], int] = {}
-    for index, key in enumerate(order):
-        node_id = wanted[key]
+    calls = {}
+    for key in order:
+        node = graph.node(wanted[key])
+        calls[key] = _bound_call(entry_of(wanted[key]).kernel(node),
+                                 [values[i] for i in node.inputs])
+    measured: dict[tuple[str, ...], Measurement] = {}
+    plain = [key for key in order if key not in variant]
+    if racing:
+        # The cells in rounds, so interference from other work spreads over all of them.
+        cells = profile_cells(
+            [calls[key] for key in plain], **profile_options,
+            on_call=None if on_cell is None else lambda i: on_cell(i, len(wanted), plain[i]))
+        measured.update(zip(plain, cells))
+    else:
+        for index, key in enumerate(plain):
+            if on_cell is not None:
+                on_cell(index, len(wanted), key)
+            measured[key] = profile(key, calls[key])
+    medians = {key: m.median_ns for key, m in measured.items()}
+    for index, key in enumerate(order[len(plain):], start=len(plain)):
         if on_cell is not None:
             on_cell(index, len(wanted), key)
-        op, dtype, size_class, _, source = key
-        node = graph.node(node_id)
-        args = [values[i] for i in node.inputs]
-        kernel = entry_of(node_id).kernel(node)
-        ceiling = _race_ceiling(arms, keys, key, medians) if racing and key in variant else None
+        ceiling = _race_ceiling(arms, keys, key, medians) if racing else None
         if ceiling is None:
-            measured = profile(key, lambda: kernel(*args))
+            measured[key] = profile(key, calls[key])
         else:
-            measured = profile(key, lambda: kernel(*args), ceiling_ns=ceiling)
-        medians[key] = measured.median_ns
+            measured[key] = profile(key, calls[key], ceiling_ns=ceiling)
+        medians[key] = measured[key].median_ns
+    for key in order:
+        op, dtype, size_class, _, source = key
+        result = measured[key]
         rows.append(StoredMeasurement(
             op=op, dtype=dtype, size_class=size_class, backend=backend.value,
             kernel_source=source, device_fingerprint=fingerprint, library_versions=libraries,
-            median_ns=measured.median_ns, spread_ns=measured.spread_ns,
-            samples=measured.samples))
+            median_ns=result.median_ns, spread_ns=result.spread_ns,
+            samples=result.samples))
     return rows
 
 
 RACE_MARGIN = 4
 """How many times the cheapest other arm a variant arm's single call may take before it is
 recorded from that call alone (well past any sampling noise: a kernel that slow cannot win)."""
+
+
+def _bound_call(kernel, args) -> Callable[[], object]:
+    """``kernel(*args)`` as a call of no arguments (one per cell: a loop's lambda would bind
+    the last cell's)."""
+    return lambda: kernel(*args)
 
 
 def _race_ceiling(arms, keys, key, medians) -> int | None:
