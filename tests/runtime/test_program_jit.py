@@ -172,8 +172,9 @@ def test_adopted_kernel_judge_keys_are_stable_across_processes(tmp_path):
 
 # A fresh process that builds (or restores) SmolLM2's programs through `fuel run`'s path
 # (load_model with the JIT and the default program cache, both under $FUEL_CACHE_DIR), counting
-# every call into the profiler (fuel.cost.profile.profile_kernel: the adoption gate's and the
-# Judge arms' timings) and every numba compilation (a disk-cache load is not one).
+# every kernel the profiler times (fuel.cost.profile: profile_kernel, and each call that
+# profile_cells / profile_pair time: the adoption gate's and the Judge arms' timings) and every
+# numba compilation (a disk-cache load is not one).
 COUNTING_RUN = """
 import json, sys
 
@@ -181,7 +182,7 @@ import numba.core.dispatcher as dispatcher
 import fuel.cost.profile as profile
 
 counts = {"profile": 0, "compile": 0}
-timed = profile.profile_kernel
+timed, timed_cells = profile.profile_kernel, profile.profile_cells
 
 
 def counted_profile(*args, **kwargs):
@@ -189,10 +190,17 @@ def counted_profile(*args, **kwargs):
     return timed(*args, **kwargs)
 
 
-profile.profile_kernel = counted_profile
-for module in list(sys.modules.values()):  # modules that bound the name at import
-    if getattr(module, "profile_kernel", None) is timed:
-        module.profile_kernel = counted_profile
+def counted_cells(calls, *args, **kwargs):  # profile_pair's cells come through here too
+    counts["profile"] += len(calls)
+    return timed_cells(calls, *args, **kwargs)
+
+
+for name, original, counted in (("profile_kernel", timed, counted_profile),
+                                ("profile_cells", timed_cells, counted_cells)):
+    setattr(profile, name, counted)
+    for module in list(sys.modules.values()):  # modules that bound the name at import
+        if getattr(module, name, None) is original:
+            setattr(module, name, counted)
 compile_core = dispatcher._FunctionCompiler._compile_core
 
 
