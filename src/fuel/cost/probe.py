@@ -78,7 +78,7 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 5  # 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 6  # 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
