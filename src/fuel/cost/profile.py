@@ -30,7 +30,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 MIN_SAMPLES = 3
@@ -84,17 +84,9 @@ def profile_kernel(
         if alone > ceiling_ns:
             return Measurement(median_ns=max(1, alone), spread_ns=0, samples=1, calls_per_sample=1)
         warmup = max(0, warmup - 2)
-    calls, elapsed = _warm_and_calibrate(call, warmup, min_sample_ns, max_calls_per_sample,
-                                         budget_ns, clock)
-    if budget_ns is not None and elapsed > 0:
-        repeats = max(min(repeats, MIN_SAMPLES), min(repeats, budget_ns // elapsed))
-    per_call: list[float] = []
-    for _ in range(repeats):
-        start = clock()
-        for _ in range(calls):
-            call()
-        per_call.append((clock() - start) / calls)
-    return _summary(per_call, calls)
+    return profile_cells([call], warmup=warmup, repeats=repeats, min_sample_ns=min_sample_ns,
+                         max_calls_per_sample=max_calls_per_sample, budget_ns=budget_ns,
+                         clock=clock)[0]
 
 
 def _summary(per_call: list[float], calls: int) -> Measurement:
@@ -183,21 +175,9 @@ def profile_cells(
     return [_summary(samples, batch) for samples, (batch, _) in zip(per_call, batches)]
 
 
-def profile_pair(
-    first: Callable[[], object],
-    second: Callable[[], object],
-    *,
-    warmup: int = 3,
-    repeats: int = 15,
-    min_sample_ns: int = 200_000,
-    max_calls_per_sample: int = 10_000,
-    budget_ns: int | None = None,
-    clock: Callable[[], int] = time.perf_counter_ns,
-) -> tuple[Measurement, Measurement]:
-    """Two calls that will be compared, measured by :func:`profile_cells` with every sample
-    paired (first, second, then second, first, ...)."""
-    first_m, second_m = profile_cells([first, second], warmup=warmup, repeats=repeats,
-                                      min_sample_ns=min_sample_ns,
-                                      max_calls_per_sample=max_calls_per_sample,
-                                      budget_ns=budget_ns, common_repeats=True, clock=clock)
+def profile_pair(first: Callable[[], object], second: Callable[[], object],
+                 **options: Any) -> tuple[Measurement, Measurement]:
+    """Two calls that will be compared, measured by :func:`profile_cells` (``options``: its
+    keywords) with every sample paired (first, second, then second, first, ...)."""
+    first_m, second_m = profile_cells([first, second], common_repeats=True, **options)
     return first_m, second_m
