@@ -236,7 +236,10 @@ def test_int4pack_measured_slower_than_the_jit_kernel_loses_and_keeps_no_weight_
     assert sum(r["count"] for r in q4) == 2 * 7, "every Q4_1 projection of both layers"
     assert any(len(r["arms"]) == 3 for r in q4), "beside the JIT's kernel where it was adopted"
     for row in q4:
-        assert row["arms"][1]["cost_ns"] == 10**12 and row["arms"][1]["source"] == "judge"
+        int4pack = row["arms"][1]
+        assert int4pack["cost_ns"] - int4pack["dispatch_ns"] == 10**12
+        assert int4pack["source"] == "judge"
+        assert int4pack["dispatch_ns"] > 0, "torch's kernel has no native step: it is charged"
         assert row["winner"] != 1
     assert "fused:quant_linear" not in dispatch_census(decode)
     gc.collect()
@@ -250,9 +253,14 @@ def _int4pack_rows(rows):
 
 
 def test_int4pack_measured_fastest_runs_its_kernel_and_computes_the_dequantized_run(
-        shipped_mix, tmp_path, fuel_cache):
+        shipped_mix, tmp_path, fuel_cache, monkeypatch):
     from fuel.kernels.int4pack import INT4_WEIGHTS
+    from fuel.runtime.native_steps import ENV
     from fuel.runtime.program import dispatch_census
+
+    # Node by node (no step list to lose), so the arms are priced alone: torch's kernel has no
+    # native step, and where the step could be one call it is charged the host calls.
+    monkeypatch.setenv(ENV, "0")
 
     engine, decode, rows, tokens = _int4pack_run(shipped_mix, tmp_path, fuel_cache, 1)
     q4 = _int4pack_rows(rows)
@@ -260,4 +268,67 @@ def test_int4pack_measured_fastest_runs_its_kernel_and_computes_the_dequantized_
     assert all(r["winner"] == 1 and r["reason"] == "cheaper" for r in q4)
     assert dispatch_census(decode)["fused:quant_linear"] == 2 * 7
     assert len(INT4_WEIGHTS) >= 2 * 7, "each projection converted once, held by its kernel"
+    assert tokens == greedy(shipped_mix[1])
+
+
+def _forced_adopted_run(shipped_mix, tmp_path, fuel_cache, adopted_ns: int):
+    """A JIT run of the shipped mix with every adopted kernel's Judge cell forced to
+    ``adopted_ns`` (the recipe's cells timed): the decode program and its tokens."""
+    from fuel.circuit.rules import Mode
+    from fuel.cost.profile import Measurement, profile_kernel
+    from fuel.jit.native_synth import CpuSynthesizer
+    from fuel.kernels import cpu_table
+    from fuel.kernels.int4pack import KERNEL_SOURCE
+    from fuel.runtime.model import jit_options
+
+    fast = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
+
+    def profile(key, call):
+        if not key[4].startswith("torch.") or key[4] == KERNEL_SOURCE:
+            call()
+            return Measurement(median_ns=adopted_ns, spread_ns=0, samples=1, calls_per_sample=1)
+        return profile_kernel(call, **fast)
+
+    table = cpu_table()
+    options = jit_options(table, store_path=tmp_path / "judge.sqlite", profile=profile,
+                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
+    options.jit.profile_options = fast
+    engine = Engine(shipped_mix[0], max_context=64, table=table, optimize_options=options)
+    tokens = generate(engine, PROMPT, 6).tokens
+    decode = [p for p in engine.programs() if p.step.plan.mode is Mode.DECODE][0]
+    return decode, tokens
+
+
+def test_an_arm_that_would_cost_the_step_its_step_list_is_charged_the_host_calls(
+        shipped_mix, tmp_path, fuel_cache):
+    # Why: arms are priced one site at a time, but the one-call step list is the whole
+    # program's. Adopted kernels measured a little slower than their recipes (as a loaded
+    # machine once measured them) kept one recipe, and the decode step lost its step list: 900
+    # Python calls a step. The recipe's arm must carry the host calls it costs the program.
+    from fuel.runtime.native_steps import NativeSteps
+
+    decode, tokens = _forced_adopted_run(shipped_mix, tmp_path, fuel_cache, 60_000)
+    assert isinstance(decode.program.native, NativeSteps), decode.program.native
+    charged = [arm for row in decode.branch_decisions() for arm in row["arms"]
+               if arm["dispatch_ns"]]
+    assert charged and all(arm["arm"] == 0 or arm["label"] == "fused:quant_linear"
+                           for arm in charged), "recipes (and int4pack) cost the step list"
+    for row in decode.branch_decisions():
+        costs = [arm["cost_ns"] for arm in row["arms"]]
+        assert row["arms"][row["winner"]]["dispatch_ns"] == 0
+        assert costs[row["winner"]] == min(c for c in costs if c is not None)
+    assert tokens == greedy(shipped_mix[1])
+
+
+def test_without_step_lists_the_same_measurements_keep_the_cheaper_recipes(
+        shipped_mix, tmp_path, fuel_cache, monkeypatch):
+    # The counterpart: with step lists off nothing is charged, so the same forced cells lose
+    # to the recipes they were measured slower than (the charge above is what kept them).
+    from fuel.runtime.native_steps import ENV
+
+    monkeypatch.setenv(ENV, "0")
+    decode, tokens = _forced_adopted_run(shipped_mix, tmp_path, fuel_cache, 60_000)
+    rows = decode.branch_decisions()
+    assert all(arm["dispatch_ns"] == 0 for row in rows for arm in row["arms"])
+    assert any(row["winner"] == 0 and row["reason"] == "arm 0 cheapest" for row in rows)
     assert tokens == greedy(shipped_mix[1])

@@ -78,6 +78,9 @@ class ArmRecord:
     source: CostSource | None
     declined: str | None = None
     """Why the arm has no usable price (unknown cost, kernel unavailable, ...), else None."""
+    dispatch_ns: int = 0
+    """Of ``cost_ns``, the host calls the arm costs the program by taking away its one-call
+    step list (``optimize.dispatch_charges``); 0 when it does not."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,16 +42,17 @@ missing kernel, a declined offer, an unknown cost): those are recorded values.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from fuel.cost.spec import DeviceSpec
 from fuel.graph.branch import (
-    BranchError, ancestors, arm_interiors, effective_roots, lower, open_branch,
+    BranchError, ancestors, arm_interiors, branches_in_topo_order, effective_roots, lower,
+    open_branch,
 )
 from fuel.graph.dtype import BackendId, Device
-from fuel.graph.ir import Branch, Fused, Graph, Node, NodeId, Prim
+from fuel.graph.ir import Branch, Fused, Graph, GraphError, Input, Node, NodeId, Prim, Weight
 from fuel.graph.ops import OpKind
 from fuel.graph.recipe import structural_hash
 from fuel.graph.registry import (
@@ -64,7 +65,9 @@ from fuel.optimize.pathfinders import (
     offer_runtime_fused_arms, operand_shapes,
 )
 from fuel.optimize.providers import Pricing, price_arm, runtime_judge_name
-from fuel.optimize.variant_bake import ArmDeclined, BakePolicy, arm_location, bake
+from fuel.optimize.variant_bake import (
+    ArmDeclined, ArmPrice, BakePolicy, arm_location, bake,
+)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,11 @@ class OptimizeOptions:
     jit_arch: object | None = None
     """An :class:`~fuel.jit.ArchSku`; with ``jit_budget``, the carrier is asked for requests."""
     jit_budget: object | None = None
+    steppable: Callable[[Graph, NodeId], bool] | None = None
+    """Whether a node can run inside the backend's one-call step list (the CPU runtime's
+    ``native_steps.steppable``); with it, an arm that would cost the whole program its step
+    list is charged the host calls the program would make instead (:func:`dispatch_charges`).
+    None: arms are priced alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +389,55 @@ def offer_arms(graph: Graph, roots: Iterable[NodeId],
     return Offered(roots, tuple(lowerings), tuple(offers), frozenset(merges))
 
 
+def dispatch_charges(graph: Graph, roots: Iterable[NodeId], options: OptimizeOptions
+                     ) -> dict[tuple[NodeId, int], int]:
+    """What each arm that would cost the program its one-call step list is charged: the host
+    calls the program makes when it runs node by node instead, at the spec's ``host_call_ns``.
+
+    Arms are priced one branch at a time, but the step list is the whole program's: one node
+    without a native step (a recipe's ``pow``, torch's int4pack kernel) and every node of the
+    step goes back to one Python call each (~1.6 us apiece here, ~800 nodes a SmolLM2 decode
+    step: more than any one site's arms differ by). So where the program could run as a step
+    list (every node outside the variant branches can, and every branch has an arm that can),
+    an arm with a node that cannot is charged ``host_call_ns`` for every node the program would
+    dispatch (those outside the branches and its own interior): it wins only by saving more on
+    its own than that. Nothing is charged when the program could not be a step list anyway,
+    without ``options.steppable``, a spec or a host-call price, or when a branch is a placement
+    branch (the route picker's program is compiled per route). Deterministic: the predicate
+    reads only the graph and the table.
+    """
+    spec = options.device_spec
+    if options.steppable is None or spec is None or spec.host_call_ns <= 0:
+        return {}
+    roots = tuple(roots)
+    try:
+        branches = branches_in_topo_order(graph, roots)
+    except (BranchError, GraphError, IndexError):
+        return {}
+    interiors: dict[NodeId, tuple[frozenset[NodeId], ...]] = {}
+    for branch in branches:
+        exits = graph.node(branch).inputs
+        locations = {arm_location(graph, exit) for exit in exits}
+        if len(locations) > 1 or None in locations:
+            return {}
+        interiors[branch] = arm_interiors(graph, branch)
+    inside = set().union(*(set().union(*arms) for arms in interiors.values())) if interiors else set()
+    outside = [n for n in sorted(_needed(graph, roots) - inside)
+               if not isinstance(graph.node(n).op, Input | Weight | Branch)]
+    steppable = options.steppable
+    if not all(steppable(graph, n) for n in outside):
+        return {}
+    charges: dict[tuple[NodeId, int], int] = {}
+    for branch, arms in interiors.items():
+        fits = [all(steppable(graph, n) for n in sorted(arm)) for arm in arms]
+        if len(arms) < 2 and not fits[0] or not any(fits):
+            return {}  # the program runs node by node whatever this branch keeps
+        for arm, (interior, fit) in enumerate(zip(arms, fits)):
+            if not fit:
+                charges[(branch, arm)] = spec.host_call_ns * (len(outside) + len(interior))
+    return charges
+
+
 def bake_offered(graph: Graph, offered: Offered,
                  options: OptimizeOptions = OptimizeOptions()) -> OptimizedGraph:
     """Bake the offered graph's variant branches by cost and record residency (module docs)."""
@@ -390,8 +447,14 @@ def bake_offered(graph: Graph, offered: Offered,
                           options.price_runtime_fused, device.backend)
         judge = options.judge
 
+        charges = dispatch_charges(graph, offered.roots, options)
+
         def pricer(g: Graph, branch: NodeId, arm: int):
-            return price_arm(g, branch, arm, pricing, judge)
+            price = price_arm(g, branch, arm, pricing, judge)
+            charge = charges.get((branch, arm), 0)
+            if charge and isinstance(price, ArmPrice):
+                return replace(price, ns=price.ns + charge, dispatch_ns=charge)
+            return price
     else:
         def pricer(g: Graph, branch: NodeId, arm: int):
             return ArmDeclined(Reason.UNKNOWN_COST, "no device spec to price on")

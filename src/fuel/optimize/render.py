@@ -34,6 +34,9 @@ def render_decision(decision: Decision) -> list[str]:
         source = arm.source.value if arm.source is not None else "-"
         where = str(arm.device) if arm.device is not None else "unstamped"
         declined = f"  ({arm.declined})" if arm.declined else ""
+        if arm.dispatch_ns:
+            declined += (f"  (with {_ns(arm.dispatch_ns).strip()} of host calls: the program "
+                         "loses its one-call step list)")
         lines.append(f"    arm {arm.arm} %{arm.exit:<6} {arm.label:<24} {where:<7} "
                      f"{_ns(arm.cost_ns):>16} {source:<12}{mark}{declined}")
     return lines
@@ -77,7 +80,7 @@ def _decision_doc(decision: Decision) -> dict[str, Any]:
         "arms": [{"arm": a.arm, "exit": a.exit, "label": a.label,
                   "device": str(a.device) if a.device is not None else None,
                   "cost_ns": a.cost_ns, "source": a.source.value if a.source else None,
-                  "declined": a.declined} for a in decision.arms],
+                  "declined": a.declined, "dispatch_ns": a.dispatch_ns} for a in decision.arms],
     }
 
 

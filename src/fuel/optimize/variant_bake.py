@@ -70,6 +70,9 @@ class ArmPrice:
     source: CostSource
     precision: Precision | None = None
     nodes: tuple[NodePrice, ...] = ()
+    dispatch_ns: int = 0
+    """Of ``ns``, what the arm costs the rest of the program: the host calls it makes when the
+    arm takes away its one-call step list (``optimize.dispatch_charges``); 0 otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +163,8 @@ def _price(pricer: ArmPricer, graph: Graph, branch: NodeId, arm: int) -> ArmPric
 def _record(graph: Graph, arm: int, exit: NodeId, device: Device | None,
             price: ArmPrice | ArmDeclined | None) -> ArmRecord:
     if isinstance(price, ArmPrice):
-        return ArmRecord(arm, exit, _label(graph, exit), device, price.ns, price.source)
+        return ArmRecord(arm, exit, _label(graph, exit), device, price.ns, price.source,
+                         dispatch_ns=price.dispatch_ns)
     if isinstance(price, ArmDeclined):
         return ArmRecord(arm, exit, _label(graph, exit), device, None, None,
                          f"{price.reason.value}: {price.detail}")

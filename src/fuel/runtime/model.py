@@ -59,8 +59,12 @@ def jit_options(table: Any, *, store_path: Path | None = None, synthesizer: Any 
     from fuel.optimize import OptimizeOptions
     from fuel.runtime.program import ProgramOptions
 
+    from fuel.graph.dtype import BackendId
+    from fuel.runtime.native_steps import steppable
+
     session = JitSession(table, synthesizer=synthesizer, store_path=store_path, profile=profile)
-    return ProgramOptions(OptimizeOptions(table=table, device_spec=device_spec("cpu-local")),
+    return ProgramOptions(OptimizeOptions(table=table, device_spec=device_spec("cpu-local"),
+                                          steppable=steppable(table, BackendId.CPU)),
                           session)
 
 

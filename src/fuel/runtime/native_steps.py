@@ -279,6 +279,77 @@ def plan(graph: Graph, steps, kernels, entries, leaves: dict[NodeId, tuple[str, 
         return Declined(str(why))
 
 
+def steppable(table, backend) -> Any:
+    """The predicate ``(graph, node_id) -> bool`` the bake charges forfeited step lists with
+    (``OptimizeOptions.steppable``): whether the node, as the table binds it, would be laid out
+    as a step (or a view) of a step list. None when step lists are off or the native library is
+    missing (no program has one: nothing is charged).
+
+    The node is laid out by the same :meth:`_Planner._step` :func:`plan` runs, on operands
+    standing in for the real ones (the graph's shapes and dtypes, contiguous at offset 0): what
+    that depends on (op, dtype, shape, the kernel bound) the graph decides alone. A constant that
+    turns out not to be contiguous, a fed tensor that is not, are found only when the program is
+    laid out (as they are today)."""
+    if not enabled():
+        return None
+    from fuel.kernels import native
+    from fuel.kernels.table import KernelMissing, key_dtypes, op_key, required_caps
+
+    lib = native.load()
+    if isinstance(lib, native.Unavailable):
+        return None
+
+    def check(graph: Graph, node_id: NodeId) -> bool:
+        node = graph.node(node_id)
+        if not isinstance(node.op, Prim | Fused):
+            return True
+        if isinstance(node.op, Prim) and node.op.kind is OpKind.CONCAT:
+            # The executor drops a concatenation its readers all take back apart (a packed
+            # projection's gate and up): it never becomes a step.
+            readers = graph.consumers()[node_id]
+            return bool(readers) and all(_takes_back_a_part(graph, r) for r in readers)
+        if _takes_back_a_part(graph, node_id):
+            return True  # the executor reads the concatenated part itself
+        operands = [graph.node(i) for i in node.inputs]
+        if not node.shape.is_concrete or not all(o.shape.is_concrete for o in operands):
+            return False
+        try:
+            ins = [_Ref(1, 0, tuple(o.shape.dims), torch_dtype(o.dtype)) for o in operands]
+            entry = table.lookup(op_key(node.op), key_dtypes(graph, node_id), backend,
+                                 required_caps(node))
+            _Planner(graph, lib, (), ())._step(node_id, node, ins, entry.kernel(node), entry)
+        except (_Unsupported, KernelMissing, KeyError):
+            return False
+        return True
+
+    return check
+
+
+def _takes_back_a_part(graph: Graph, node_id: NodeId) -> bool:
+    """Whether ``node_id`` is a slice returning one operand of the concatenation it reads whole
+    (what ``executor._sliced_part`` replaces by that operand)."""
+    node = graph.node(node_id)
+    if not (isinstance(node.op, Prim) and node.op.kind is OpKind.SLICE):
+        return False
+    concat = graph.node(node.inputs[0])
+    if not (isinstance(concat.op, Prim) and concat.op.kind is OpKind.CONCAT):
+        return False
+    rank = len(concat.shape.dims)
+    dim = concat.op.attr_dict()["dim"] % rank
+    attrs = node.op.attr_dict()
+    if attrs["dim"] % rank != dim:
+        return False
+    offset = 0
+    for part in concat.inputs:
+        extent = graph.node(part).shape.dims[dim]
+        if not isinstance(extent, int):
+            return False
+        if (attrs["start"], attrs["end"]) == (offset, offset + extent):
+            return True
+        offset += extent
+    return False
+
+
 class _Planner:
     def __init__(self, graph: Graph, lib, feeds, constants):
         self.graph, self.lib, self.feeds, self.constants = graph, lib, feeds, constants

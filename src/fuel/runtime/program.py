@@ -213,7 +213,8 @@ class StepProgram:
                 "region": key[0], "winner": decision.winner, "reason": key[2], "count": 0,
                 "arms": [{"arm": a.arm, "label": a.label, "cost_ns": a.cost_ns,
                           "source": a.source.value if a.source else None,
-                          "declined": a.declined} for a in decision.arms]})
+                          "declined": a.declined, "dispatch_ns": a.dispatch_ns}
+                         for a in decision.arms]})
             row["count"] += 1
         return list(grouped.values())
 
