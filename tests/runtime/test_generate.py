@@ -87,3 +87,56 @@ def test_prompt_longer_than_the_cache_is_refused_and_leaves_no_sequence(smollm2_
     with pytest.raises(ContextTooLong, match="needs 48 positions.*at most 32"):
         generate(small, list(range(40)), 8)
     assert small.tables[next(iter(small.tables))].sequences() == []
+
+
+@pytest.mark.slow
+def test_a_step_asked_for_some_rows_multiplies_the_lm_head_over_those_rows_alone(
+        engine, prompt_ids):
+    # Why: a generation reads one row of a prompt chunk's logits; the LM head over every row
+    # was a fifth of the chunk's work. The rows asked for must be the rows the full step gives.
+    rows = [3, 15, 0]
+    engine.add_sequence("all")
+    engine.add_sequence("some")
+    try:
+        full = engine.step(Mode.PREFILL, [("all", prompt_ids[:16])])
+        some = engine.step(Mode.PREFILL, [("some", prompt_ids[:16])], logit_rows=rows)
+    finally:
+        engine.free("all")
+        engine.free("some")
+    assert some.logits.shape == (3, full.logits.shape[1])
+    torch.testing.assert_close(some.logits, full.logits[rows], rtol=0, atol=1e-4)
+    assert some.tokens == [full.tokens[r] for r in rows]
+    graph = some.program.step.graph
+    assert graph.node(some.program.step.logits).shape.dims == (3, 49152)
+    assert some.program is not full.program, "a program of its own (the shape names the rows)"
+
+
+@pytest.mark.slow
+def test_a_padded_prompt_chunk_gives_the_last_real_row_not_a_padding_row(engine, prompt_ids):
+    # 13 tokens are fed as a 16-row chunk (three padding rows repeat the last token): the
+    # token chosen must be the 13th row's, as the unpadded all-row prefill gives it.
+    ids = prompt_ids[:13]
+    engine.add_sequence("last")
+    engine.add_sequence("every")
+    try:
+        last = prefill(engine, "last", ids, last_only=True)
+        every = prefill(engine, "every", ids)
+        assert engine.length("last") == engine.length("every") == 13
+    finally:
+        engine.free("last")
+        engine.free("every")
+    assert len(last.tokens) == 1 and last.tokens[-1] == every.tokens[-1]
+    torch.testing.assert_close(last.logits[-1], every.logits[-1], rtol=0, atol=1e-4)
+
+
+def test_logit_rows_outside_the_step_are_refused_and_append_nothing(engine, prompt_ids):
+    from fuel.runtime.engine import BadStep
+
+    engine.add_sequence("bad")
+    try:
+        for rows in ([4], [], [-1]):
+            with pytest.raises(BadStep, match="logit rows"):
+                engine.step(Mode.PREFILL, [("bad", prompt_ids[:4])], logit_rows=rows)
+        assert engine.length("bad") == 0
+    finally:
+        engine.free("bad")

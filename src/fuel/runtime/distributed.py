@@ -88,7 +88,7 @@ def greedy_logits(engine: Any, prompt: Sequence[int], max_new_tokens: int):
     engine.add_sequence(sequence)
     try:
         result = (engine.step(Mode.DECODE, [(sequence, list(prompt))]) if len(prompt) == 1
-                  else prefill(engine, sequence, list(prompt)))
+                  else prefill(engine, sequence, list(prompt), last_only=True))
         rows, tokens = [result.logits[-1].float()], [result.tokens[-1]]
         while len(tokens) < max_new_tokens:
             result = engine.step(Mode.DECODE, [(sequence, [tokens[-1]])])

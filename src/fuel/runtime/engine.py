@@ -44,7 +44,7 @@ from fuel.circuit.runs import RowTable
 from fuel.errors import FuelError
 from fuel.runtime.kv_cache import BlockTables
 from fuel.runtime.lower import (
-    POSITIONS, SLOTS, TOKENS, StepShape, block_table_input, context_lens_input,
+    LOGIT_ROWS, POSITIONS, SLOTS, TOKENS, StepShape, block_table_input, context_lens_input,
     expected_weight_shapes, lower,
 )
 from fuel.runtime.program import StepProgram, WeightStore, build_program
@@ -305,12 +305,19 @@ class Engine:
     # -- a step ------------------------------------------------------------------------------
 
     def step(self, mode: Mode, batch: Sequence[tuple[Hashable, Sequence[int]]], *,
-             timed: bool = False) -> StepResult:
+             timed: bool = False, logit_rows: Sequence[int] | None = None) -> StepResult:
         """Append each sequence's tokens and run one step of ``mode`` over all of them
-        (``timed``: also clock every node, for the profiler)."""
+        (``timed``: also clock every node, for the profiler). ``logit_rows``: the rows (indices
+        into the step's rows, in batch order) whose logits and greedy tokens the step computes
+        and returns, in that order; None, every row's. A prompt chunk whose only use is its
+        last token's logits asks for that row: the LM head then multiplies one row."""
         if not batch or any(not tokens for _, tokens in batch):
             raise BadStep(mode, "every sequence of a step feeds at least one token")
         lengths = [len(tokens) for _, tokens in batch]
+        if logit_rows is not None and (not logit_rows or any(
+                not isinstance(r, int) or not 0 <= r < sum(lengths) for r in logit_rows)):
+            raise BadStep(mode, f"logit rows {list(logit_rows)} are not rows of a "
+                                f"{sum(lengths)}-row step")
         if mode in (Mode.DECODE, Mode.MULTI_SEQ) and any(k != 1 for k in lengths):
             raise BadStep(mode, f"one row per sequence, got {lengths}")
         if mode in (Mode.DECODE, Mode.PREFILL, Mode.VERIFY) and len(batch) != 1:
@@ -336,14 +343,14 @@ class Engine:
                     tables.rollback(sequence, start)
             raise
         try:
-            return self._run(mode, section, batch, lengths, starts, slots, timed)
+            return self._run(mode, section, batch, lengths, starts, slots, timed, logit_rows)
         except Exception:
             for (sequence, _), start in zip(batch, starts):
                 tables.rollback(sequence, start)
             raise
 
     def _run(self, mode: Mode, section: Section, batch, lengths, starts, slots,
-             timed: bool = False) -> StepResult:
+             timed: bool = False, logit_rows: Sequence[int] | None = None) -> StepResult:
         torch = self._torch
         tables = self.tables[section]
         runs = runs_of(lengths)
@@ -353,7 +360,8 @@ class Engine:
         rows = sum(lengths)
         longest = max(start + k for start, k in zip(starts, lengths))
         width = min(self.max_blocks, 1 << max(0, math.ceil(math.log2(math.ceil(longest / self.block_size)))))
-        shape = StepShape(runs, self.block_size, self.num_blocks, width, self.max_context)
+        shape = StepShape(runs, self.block_size, self.num_blocks, width, self.max_context,
+                          None if logit_rows is None else len(logit_rows))
         plan = self.plan(mode, rows, row_table)
         if (plan.digest, shape) not in self._programs:
             started = time.perf_counter()
@@ -368,6 +376,8 @@ class Engine:
             POSITIONS: torch.tensor(positions, dtype=torch.int64),
             SLOTS: torch.tensor(slots, dtype=torch.int64),
         }
+        if logit_rows is not None:
+            feeds[LOGIT_ROWS] = torch.tensor(list(logit_rows), dtype=torch.int64)
         sequences = [sequence for sequence, _ in batch]
         first = 0
         for run, (_, n) in enumerate(runs):
@@ -388,6 +398,10 @@ class Engine:
             logits, tokens, chosen = program.run_routed(feeds)
         else:
             logits, tokens = program.run(feeds)
+        if logit_rows is not None and logits.shape[0] != len(logit_rows):
+            # A circuit without a final norm computes every row: the rows asked for, picked here.
+            picked = torch.tensor(list(logit_rows), dtype=torch.int64)
+            logits, tokens = logits.index_select(0, picked), tokens.reshape(-1).index_select(0, picked)
         self.stats.record(mode, program)
         if chosen:
             self.stats.record_routing(mode, program, chosen)

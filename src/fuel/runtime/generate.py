@@ -60,21 +60,26 @@ def chunks(length: int, largest: int = DEFAULT_CHUNK) -> list[int]:
 
 
 def prefill(engine: Engine, sequence: Hashable, ids: Sequence[int], *, chunk: int = DEFAULT_CHUNK,
-            mode: Mode = Mode.PREFILL) -> StepResult:
+            mode: Mode = Mode.PREFILL, last_only: bool = False) -> StepResult:
     """Feed ``ids`` to ``sequence`` in chunks (``mode`` prefill, or draft for the draft head);
-    returns the last chunk's step."""
+    returns the last chunk's step. ``last_only``: each chunk computes the logits of its last
+    (real) row alone, and the result holds that one row (all a generation reads: the LM head
+    then multiplies one row, not the chunk's); else every row's."""
     result, start = None, 0
     for size in chunks(len(ids), chunk):
         part = list(ids[start:start + size])
         padded = bucket(size, chunk) if mode is Mode.PREFILL else size
+        rows = [size - 1] if last_only else None
         if padded > size and _room(engine, sequence, padded):
             length = engine.length(sequence)
-            result = engine.step(mode, [(sequence, part + [part[-1]] * (padded - size))])
+            result = engine.step(mode, [(sequence, part + [part[-1]] * (padded - size))],
+                                 logit_rows=rows)
             engine.rollback(sequence, length + size)
-            result = StepResult(result.logits[:size], result.tokens[:size], result.program,
-                                result.node_seconds)
+            if not last_only:
+                result = StepResult(result.logits[:size], result.tokens[:size], result.program,
+                                    result.node_seconds)
         else:
-            result = engine.step(mode, [(sequence, part)])
+            result = engine.step(mode, [(sequence, part)], logit_rows=rows)
         start += size
     assert result is not None
     return result
@@ -129,7 +134,7 @@ def generate(engine: Engine, prompt: Sequence[int], max_new_tokens: int, *,
     engine.add_sequence(sequence)
     try:
         started = time.perf_counter()
-        result = prefill(engine, sequence, list(prompt), chunk=chunk)
+        result = prefill(engine, sequence, list(prompt), chunk=chunk, last_only=True)
         token = result.tokens[-1]
         out.timing.prefill_s = time.perf_counter() - started
         started = time.perf_counter()
@@ -159,7 +164,8 @@ def generate_batch(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tok
         for name, prompt, out in zip(names, prompts, outs):
             engine.add_sequence(name)
             started = time.perf_counter()
-            pending[name] = prefill(engine, name, list(prompt), chunk=chunk).tokens[-1]
+            pending[name] = prefill(engine, name, list(prompt), chunk=chunk,
+                                    last_only=True).tokens[-1]
             out.timing.prefill_s = time.perf_counter() - started
         live = [i for i in range(len(prompts)) if max_new_tokens > 0]
         started = time.perf_counter()

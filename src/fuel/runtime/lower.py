@@ -127,12 +127,20 @@ class StepShape:
     num_blocks: int
     max_blocks: int
     positions: int
+    logit_rows: int | None = None
+    """How many rows' logits the step computes: None, every row's; ``n``, the ``n`` rows the
+    :data:`LOGIT_ROWS` input names (their indices, fed each step), picked before the final norm
+    so the LM head multiplies only them. A prompt chunk a generation feeds needs one row (its
+    last real one): the LM head is a fifth of a SmolLM2 prompt chunk's work and, as a 41-row
+    GEMM, slower than the whole 1-row GEMV it becomes."""
 
     def __post_init__(self) -> None:
         if not self.runs or any(k < 1 or n < 1 for k, n in self.runs):
             raise StepShapeError(f"runs {self.runs} need at least one run of k >= 1, n >= 1")
         if min(self.block_size, self.num_blocks, self.max_blocks, self.positions) < 1:
             raise StepShapeError("block size, block count, table width and positions must be positive")
+        if self.logit_rows is not None and not 1 <= self.logit_rows <= self.rows:
+            raise StepShapeError(f"logits of {self.logit_rows} rows of a {self.rows}-row step")
 
     @property
     def rows(self) -> int:
@@ -269,6 +277,8 @@ class StepGraph:
 TOKENS = "tokens"
 POSITIONS = "positions"
 SLOTS = "slots"
+LOGIT_ROWS = "logit_rows"
+"""The rows whose logits a step with ``StepShape.logit_rows`` computes (indices into its rows)."""
 
 
 def block_table_input(run: int) -> str:
@@ -702,6 +712,8 @@ class _Lowerer:
         the flattening reshape is then read by nobody and never dispatched."""
         self.written: dict[int, tuple[NodeId, NodeId]] = {}
         self._inputs: dict[str, NodeId] = {}
+        self._picked: dict[NodeId, NodeId] = {}
+        """Values the final norm reads, at the rows whose logits are wanted (``logit_rows``)."""
         self._weights: dict[str, NodeId] = {}
         self._derived: dict[str, DerivedWeight] = {}
         self._rope: dict[tuple[float, int], tuple[NodeId, NodeId]] = {}
@@ -729,7 +741,16 @@ class _Lowerer:
 
     # Edges.
     def read(self, node: CircuitNode, index: int) -> NodeId:
-        return self.edges[node.inputs[index]]
+        value = self.edges[node.inputs[index]]
+        if self.shape.logit_rows is not None and node.op.kind is CircuitOp.FINAL_NORM:
+            # Only the rows whose logits are wanted go on to the final norm and the LM head.
+            picked = self._picked.get(value)
+            if picked is None:
+                rows = self._input(LOGIT_ROWS, (self.shape.logit_rows,), DType.I64)
+                picked = self._picked[value] = self.graph.prim(OpKind.INDEX_SELECT, value, rows,
+                                                               dim=0)
+            return picked
+        return value
 
     def write(self, node: CircuitNode, index: int, value: NodeId) -> None:
         self.edges[node.outputs[index]] = value

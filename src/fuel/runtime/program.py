@@ -42,7 +42,7 @@ from fuel.graph.dtype import BackendId, Device
 from fuel.graph.ir import Fused, Input
 from fuel.graph.registry import RUNTIME_FUSED_BASE, fused_name
 from fuel.runtime.lower import (
-    POSITIONS, SLOTS, TOKENS, DerivedKind, DerivedWeight, StepGraph, block_table_input,
+    LOGIT_ROWS, POSITIONS, SLOTS, TOKENS, DerivedKind, DerivedWeight, StepGraph, block_table_input,
     context_lens_input, rope_table,
 )
 
@@ -277,6 +277,9 @@ def probe_feeds(step: StepGraph, dtype: Any, seed: int = 0) -> dict[str, Any]:
     feeds[TOKENS] = torch.zeros(len(positions), dtype=torch.int64)
     feeds[POSITIONS] = torch.tensor(positions, dtype=torch.int64)
     feeds[SLOTS] = torch.tensor(slots, dtype=torch.int64)
+    if shape.logit_rows is not None:  # each sequence's last rows, as a generation asks
+        feeds[LOGIT_ROWS] = torch.arange(len(positions) - shape.logit_rows, len(positions),
+                                         dtype=torch.int64)
     from fuel.kernels.torch_kernels import torch_dtype
 
     noise: dict[tuple[Any, ...], Any] = {}

@@ -314,7 +314,8 @@ class Scheduler:
         prompt = live.request.prompt
         size = chunks(min(len(prompt) - live.fed, max(budget, 1)), self.chunk)[0]
         try:
-            result = self.engine.step(Mode.PREFILL, [(live.name, list(prompt[live.fed:live.fed + size]))])
+            result = self.engine.step(Mode.PREFILL, [(live.name, list(prompt[live.fed:live.fed + size]))],
+                                      logit_rows=[size - 1])
         except Exception as error:  # noqa: BLE001 - one failed step ends its own requests only
             self._fail([live], error)
             return size

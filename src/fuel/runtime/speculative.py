@@ -60,7 +60,7 @@ class EarlyExitDrafter:
     def propose(self, engine: Engine, sequence: Hashable, context: Sequence[int], k: int) -> list[int]:
         fed = self._fed.setdefault(sequence, [])
         catch_up = list(context[len(fed):])
-        result = prefill(engine, sequence, catch_up, mode=Mode.DRAFT)
+        result = prefill(engine, sequence, catch_up, mode=Mode.DRAFT, last_only=True)
         fed += catch_up
         drafts = [result.tokens[-1]]
         while len(drafts) < k:
@@ -181,7 +181,7 @@ def speculative_generate_batch(engine: Engine, prompts: Sequence[Sequence[int]],
         for name, context, out in zip(names, contexts, outs):
             engine.add_sequence(name)
             started = time.perf_counter()
-            first = prefill(engine, name, context).tokens[-1]
+            first = prefill(engine, name, context, last_only=True).tokens[-1]
             out.timing.prefill_s = time.perf_counter() - started
             if max_new_tokens > 0:
                 out.tokens.append(first)
