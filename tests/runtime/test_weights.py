@@ -337,21 +337,25 @@ def test_smollm2_config_is_accepted_by_the_llama_config_map_like_the_zoo_entry(s
 
 
 def test_fast_reader_reads_the_shipped_gguf_exactly_as_the_gguf_package_does():
-    """read_gguf's reader (plain ndarray views of the map, for speed) yields the library
-    reader's every field and tensor, on the real file with its 49,152-token vocabulary."""
+    """read_gguf's reader (metadata parsed straight into Python values, tensor data through
+    plain ndarray views of the map, for speed) yields the library reader's every metadata value
+    and tensor, on the real file with its 49,152-token vocabulary."""
     import numpy as np
     from gguf import GGUFReader
 
-    from fuel.runtime.gguf_loader import _reader_class
+    from fuel.runtime.gguf_loader import _field_value, _reader_class, read_gguf
     from fuel.runtime.weights import default_model_path
 
     path = default_model_path()
     stock, fast = GGUFReader(path), _reader_class()(path)
-    assert list(stock.fields) == list(fast.fields) and len(stock.fields["tokenizer.ggml.tokens"].data) == 49152
-    for key, field in stock.fields.items():
-        other = fast.fields[key]
-        assert field.types == other.types and field.data == other.data, key
-        assert all(np.array_equal(a, b) for a, b in zip(field.parts, other.parts)), key
+    expected = {key: _field_value(field) for key, field in stock.fields.items()}
+    metadata = read_gguf(path).metadata
+    assert list(metadata) == list(expected) and len(metadata["tokenizer.ggml.tokens"]) == 49152
+    for key, value in expected.items():
+        assert metadata[key] == value and type(metadata[key]) is type(value), key
+        if isinstance(value, list) and value:
+            assert {type(v) for v in metadata[key]} == {type(v) for v in value}, key
+    assert stock.data_offset == fast.data_offset and stock.alignment == fast.alignment
     assert [t.name for t in stock.tensors] == [t.name for t in fast.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(stock.tensors, fast.tensors))
     assert type(fast.tensors[0].data) is np.ndarray  # sliced in C, still the file's mapping

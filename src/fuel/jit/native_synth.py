@@ -98,23 +98,33 @@ def q8_error_bound(layout: str, cols: int, x, w):
     n = w.shape[0]
     if rows.shape[0] > STREAM_ROWS:
         return torch.zeros(*lead, n, dtype=torch.float64)
-    blocks = cols // 32
-    weight = dequantize(w, layout, cols).double()                              # [N, K]
-    half_step = (rows.view(rows.shape[0], blocks, 32).abs().amax(-1) / 254.0
-                 * (1 + 2.0 ** -14)).repeat_interleave(32, -1)                 # [M, K]
-    packed = w.contiguous().view(torch.uint8).reshape(n, blocks, -1)
-    d_w = packed[..., 0:2].contiguous().view(torch.float16).double().squeeze(-1)  # [N, B]
-    if layout in ("q4_1", "q5_1"):
-        offset = packed[..., 2:4].contiguous().view(torch.float16).double().squeeze(-1).abs()
-    else:
-        offset = d_w.abs() * {"q4_0": 8.0, "q5_0": 16.0, "q8_0": 128.0}[layout]
-    terms = weight.abs() + 2.0 * offset.repeat_interleave(32, -1)               # [N, K]
+    m, blocks = rows.shape[0], cols // 32
+    half_step = (rows.view(m, blocks, 32).abs().amax(-1) / 254.0 * (1 + 2.0 ** -14))  # [M, B]
+    reach = rows.abs() + half_step.repeat_interleave(32, -1)                          # [M, K]
+    reach_blocks = reach.view(m, blocks, 32).sum(-1)                                   # [M, B]
     units = (blocks + 10) * 2.0 ** -24
     gamma = units / (1 - units)
-    rounding = half_step @ weight.abs().T                                       # [M, N]
-    arithmetic = gamma * ((rows.abs() + half_step) @ terms.T)
-    bound = (rounding + arithmetic) * (1 + 2.0 ** -40)  # the f64 sums' own rounding
+    packed = w.contiguous().view(torch.uint8).reshape(n, blocks, -1)
+    bound = torch.empty(m, n, dtype=torch.float64)
+    # A block-constant factor multiplies a block's sum: the [N, K] products are never formed,
+    # and the weight is taken a slice of rows at a time (an LM head's 49152 rows in f64 are
+    # 226 MB a matrix: the whole-matrix form took ~0.9 s of a cold first token).
+    for start in range(0, n, _BOUND_ROWS):
+        part = slice(start, min(n, start + _BOUND_ROWS))
+        weight = dequantize(w[part], layout, cols).double().abs()                     # [c, K]
+        d_w = packed[part, :, 0:2].contiguous().view(torch.float16).double().squeeze(-1)
+        if layout in ("q4_1", "q5_1"):
+            offset = packed[part, :, 2:4].contiguous().view(torch.float16).double().squeeze(-1).abs()
+        else:
+            offset = d_w.abs() * {"q4_0": 8.0, "q5_0": 16.0, "q8_0": 128.0}[layout]   # [c, B]
+        rounding = half_step @ weight.view(-1, blocks, 32).sum(-1).T                  # [M, c]
+        arithmetic = gamma * (reach @ weight.T + 2.0 * (reach_blocks @ offset.T))
+        bound[:, part] = (rounding + arithmetic) * (1 + 2.0 ** -40)  # the f64 sums' rounding
     return bound.reshape(*lead, n)
+
+
+_BOUND_ROWS = 4096
+"""Weight rows :func:`q8_error_bound` takes at a time (4096 x 576 in f64: 19 MB)."""
 
 
 class _Q8Bound:

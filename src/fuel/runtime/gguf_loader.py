@@ -29,6 +29,7 @@ What is decided here, and what always holds:
 from __future__ import annotations
 
 import functools
+import sys
 
 import re
 from collections.abc import Iterator, Mapping
@@ -201,17 +202,30 @@ class GgufModel:
 
 @functools.cache
 def _reader_class():
-    """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map.
+    """``gguf.GGUFReader`` with the metadata read straight into Python values.
 
-    The reader slices its ``numpy.memmap`` once per metadata value; a memmap slice runs
-    numpy's Python-level ``__array_finalize__``, and a tokenizer's 49,152 strings and merges
-    made ~1 million of them: 3.2 s of SmolLM2's 3.5 s conversion here. A base-class view of the
-    same mapping slices in C (0.9 s), with the same fields and tensors (a test compares them);
-    tensor data stays memory-mapped."""
+    The library's reader keeps every metadata value as numpy slices of its memory map: two per
+    string, and a tokenizer's 49,152 tokens and 48,900 merges made ~200,000 of them, ~1 s of a
+    cold first token here (3 s through ``numpy.memmap``'s own slicing). This reader parses the
+    key/value section with ``struct`` and numpy's bulk readers into ``values`` (key -> str, int,
+    float, bool or a list of them: what :func:`_field_value` makes of the library's fields; a
+    test compares the two on the shipped file) and keeps as a field only what the reader itself
+    reads back (``general.alignment``). The tensor index and data are the library's, read from
+    the same mapping through a plain ndarray view (slicing in C). A big-endian file is read by
+    the library's own code."""
+    import struct
+    from collections import OrderedDict
+
     import numpy as np
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.gguf_reader import ReaderField
 
-    class PlainViewReader(GGUFReader):
+    scalars = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+               GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+               GGUFValueType.FLOAT32: "f", GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q",
+               GGUFValueType.FLOAT64: "d", GGUFValueType.BOOL: "?"}
+
+    class FastReader(GGUFReader):
         @property
         def data(self):
             return self._plain
@@ -220,7 +234,79 @@ def _reader_class():
         def data(self, value):
             self._plain = np.asarray(value)
 
-    return PlainViewReader
+        def _build_fields(self, offs: int, count: int) -> int:
+            if self.byte_order != "I" or sys.byteorder != "little":
+                self.values = None
+                return super()._build_fields(offs, count)
+            buffer = memoryview(self._plain)
+            self.values = OrderedDict()
+
+            def string(at: int) -> tuple[str | bytes, int]:
+                (length,) = struct.unpack_from("<Q", buffer, at)
+                end = at + 8 + length
+                if end > len(buffer):
+                    raise ValueError(f"a string of {length} bytes at offset {at} runs past the file")
+                return bytes(buffer[at + 8:end]), end
+
+            def value(kind: GGUFValueType, at: int) -> tuple[Any, int]:
+                if kind == GGUFValueType.STRING:
+                    raw, at = string(at)
+                    return raw.decode("utf-8"), at
+                code = scalars.get(kind)
+                if code is not None:
+                    return struct.unpack_from("<" + code, buffer, at)[0], at + struct.calcsize(code)
+                if kind != GGUFValueType.ARRAY:
+                    raise ValueError(f"Unknown/unhandled field type {kind}")
+                inner, length = struct.unpack_from("<IQ", buffer, at)
+                inner, at = GGUFValueType(inner), at + 12
+                code = scalars.get(inner)
+                if code is not None:
+                    size = struct.calcsize(code) * length
+                    if at + size > len(buffer):
+                        raise ValueError(f"an array of {length} at offset {at} runs past the file")
+                    items = np.frombuffer(buffer, np.dtype("<" + code), length, at).tolist()
+                    return items, at + size
+                items = []
+                for _ in range(length):
+                    item, at = value(inner, at)
+                    items.append(item)
+                return items, at
+
+            for _ in range(count):
+                start = offs
+                key, offs = string(offs)
+                name = key.decode("utf-8")
+                if name in self.values or name in self.fields:
+                    raise KeyError(f"Duplicate {name} already in list at offset {start}")
+                (raw,) = struct.unpack_from("<I", buffer, offs)
+                kind = GGUFValueType(raw)
+                try:
+                    self.values[name], offs = value(kind, offs + 4)
+                except UnicodeDecodeError as error:
+                    self.values[name] = error  # named with its key by read_gguf
+                    offs = _skip(buffer, kind, offs + 4)
+                if name == "general.alignment":
+                    self._push_field(ReaderField(
+                        start, name, [np.array([self.values[name]], dtype=np.uint64)
+                                      if kind != GGUFValueType.UINT32
+                                      else np.array([self.values[name]], dtype=np.uint32)],
+                        [0], [kind]), skip_sum=True)
+            return offs
+
+    def _skip(buffer, kind, at: int) -> int:
+        """The offset past a value whose text is not UTF-8 (the error is reported by key)."""
+        if kind == GGUFValueType.STRING:
+            (length,) = struct.unpack_from("<Q", buffer, at)
+            return at + 8 + length
+        if kind in scalars:
+            return at + struct.calcsize(scalars[kind])
+        inner, length = struct.unpack_from("<IQ", buffer, at)
+        at += 12
+        for _ in range(length):
+            at = _skip(buffer, GGUFValueType(inner), at)
+        return at
+
+    return FastReader
 
 
 def read_gguf(path: str | Path) -> GgufModel:
@@ -236,11 +322,19 @@ def read_gguf(path: str | Path) -> GgufModel:
         raise CorruptWeightsFile(str(path), f"not a readable GGUF ({type(error).__name__}: {error})") from error
     metadata = {}
     for key, field in reader.fields.items():
+        if reader.values is not None and key not in ("GGUF.version", "GGUF.tensor_count",
+                                                     "GGUF.kv_count"):
+            continue  # read into ``values`` (below), in the file's order
         try:
             metadata[key] = _field_value(field)
         except UnicodeDecodeError as error:
             raise CorruptWeightsFile(str(path), f"metadata key `{key}`: a string that is not valid "
                                                 f"UTF-8 (byte 0x{error.object[error.start]:02x})") from None
+    for key, value in (reader.values or {}).items():
+        if isinstance(value, UnicodeDecodeError):
+            raise CorruptWeightsFile(str(path), f"metadata key `{key}`: a string that is not valid "
+                                                f"UTF-8 (byte 0x{value.object[value.start]:02x})")
+        metadata[key] = value
     model = GgufModel(path, metadata, reader)
     if model.architecture != "llama":
         raise UnsupportedGguf(

@@ -16,10 +16,11 @@ found, :func:`load` answers :class:`Unavailable` with the reason and fuel runs w
 kernels (the numba and torch arms stand).
 
 Invariants:
-- Built at most once per (source, compiler, flags, OpenMP runtime, CPU): the shared object is
-  cached under ``$FUEL_CACHE_DIR/native/<key>/`` and written atomically (compiled to a temp
-  name, renamed), so a concurrent process never loads a half-written file; a file that fails to
-  load is removed and built again once.
+- Built at most once per (source, compiler, flags, OpenMP runtime, CPU): by the install
+  (``python -m fuel.kernels.native``, which ``scripts/setup.sh`` runs) into :data:`INSTALLED`
+  beside the sources, else on first use into ``$FUEL_CACHE_DIR/native/<key>/``; written
+  atomically (compiled to a temp name, renamed), so a concurrent process never loads a
+  half-written file; a file that fails to load is removed and built again once.
 - ``matmul(..., activations="f32")`` (the default, and every path other than the one below)
   returns the product of the *dequantized* weight with f32 activations, never rounded to 8
   bits: equal to the dequantize-then-matmul recipe within f32 reassociation, which the JIT
@@ -391,9 +392,24 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_and_load() -> NativeKernels | Unavailable:
-    from fuel.cost.paths import cache_dir
+INSTALLED = Path(__file__).with_name("built")
+"""Where ``python -m fuel.kernels.native`` (run by ``scripts/setup.sh`` after the install) puts
+the library it builds, beside these sources: a build step of the install, as a C extension's,
+so a first run does not wait for the compiler (~3-7 s here). Keyed as the cache is (sources,
+compiler, flags, OpenMP runtime, CPU): a library built for another machine or from other
+sources is never loaded, and the cache path below builds one instead."""
 
+
+@dataclass(frozen=True)
+class _Build:
+    compiler: str
+    version: str
+    openmp: Path
+    key: str
+
+
+def _build_key() -> _Build | Unavailable:
+    """What a build of this machine's library needs and its key, or why there is none."""
     if platform.system() != "Linux":
         return Unavailable(f"native kernels are built on Linux only (this is {platform.system()})")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -412,22 +428,61 @@ def _build_and_load() -> NativeKernels | Unavailable:
     key = hashlib.sha256(b"\0".join([
         source, version.encode(), " ".join(FLAGS).encode(), str(openmp.resolve()).encode(),
         _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:24]
-    folder = cache_dir() / "native" / key
-    target = folder / "libfuelgemv.so"
+    return _Build(compiler, version, openmp, key)
+
+
+def _build_and_load() -> NativeKernels | Unavailable:
+    from fuel.cost.paths import cache_dir
+
+    build = _build_key()
+    if isinstance(build, Unavailable):
+        return build
     import torch  # noqa: F401 — torch's libgomp must be loaded first (one runtime)
 
+    installed = INSTALLED / build.key / LIBRARY
+    if installed.exists():
+        try:
+            return NativeKernels(ctypes.CDLL(str(installed)), installed, build.version)
+        except OSError:
+            pass  # an install-time build that does not load: the cache's is built instead
+    folder = cache_dir() / "native" / build.key
+    target = folder / LIBRARY
     error: OSError | None = None
     for _ in range(2):  # a cached library that does not load is built again, once
         if not target.exists():
-            built = _compile(compiler, openmp, folder, target)
+            built = _compile(build.compiler, build.openmp, folder, target)
             if isinstance(built, Unavailable):
                 return built
         try:
-            return NativeKernels(ctypes.CDLL(str(target)), target, version)
+            return NativeKernels(ctypes.CDLL(str(target)), target, build.version)
         except OSError as failed:
             error = failed
             target.unlink(missing_ok=True)
     return Unavailable(f"the native library built but does not load: {error}")
+
+
+def build_installed() -> Path | Unavailable:
+    """Build this machine's library into :data:`INSTALLED` (once: an existing build is kept)
+    and check that it loads; returns its path, or why it cannot be built."""
+    build = _build_key()
+    if isinstance(build, Unavailable):
+        return build
+    import torch  # noqa: F401 — torch's libgomp must be loaded first (one runtime)
+
+    target = INSTALLED / build.key / LIBRARY
+    if not target.exists():
+        built = _compile(build.compiler, build.openmp, target.parent, target)
+        if isinstance(built, Unavailable):
+            return built
+    try:
+        ctypes.CDLL(str(target))
+    except OSError as error:
+        target.unlink(missing_ok=True)
+        return Unavailable(f"the native library built but does not load: {error}")
+    return target
+
+
+LIBRARY = "libfuelgemv.so"
 
 
 UNITS: tuple[tuple[Path, tuple[str, ...]], ...] = (
@@ -472,5 +527,5 @@ def _compile_in(compiler: str, openmp: Path, work: Path, target: Path) -> None |
     return None
 
 
-__all__ = ["FORMAT_CODES", "NativeKernels", "Q8_FORMATS", "QUANT_LAYOUTS", "STREAM_ROWS", "Unavailable",
-           "load", "prefetch"]
+__all__ = ["FORMAT_CODES", "INSTALLED", "NativeKernels", "Q8_FORMATS", "QUANT_LAYOUTS", "STREAM_ROWS",
+           "Unavailable", "build_installed", "load", "prefetch"]
