@@ -30,6 +30,7 @@ from fuel.circuit.ir import Circuit, Section
 from fuel.circuit.rules import Mode, Numerics, NumericsClass, Repeat, RepeatKind, Rule, RuleSet, rules_from
 from fuel.circuit.runs import KernelId, RowTable, RunLaunches, resolve_runs
 from fuel.errors import FuelError
+from fuel.pickling import fast_pickle
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class Policy:
         object.__setattr__(self, "settings", dict(sorted(self.settings.items())))
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class EdgeState:
     """Whether an edge is written to memory (``Materialized``) or produced and consumed inside
@@ -90,6 +92,7 @@ class EdgeState:
 EdgeState.MATERIALIZED = EdgeState()
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Group:
     """One launch group: the rule that formed it, what it launches, and its member nodes in

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from enum import Enum
 from fractions import Fraction
 
+from fuel.pickling import fast_pickle
+
 
 class DType(Enum):
     """An element type. The value is the canonical spelling."""
@@ -91,6 +93,8 @@ Dim = int | str
 """A concrete extent or a run-time symbol."""
 
 
+
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Shape:
     """A tensor shape: a tuple of dims (ints or symbols)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuel.graph.dtype import BackendId, Device, DType, Shape
+from fuel.pickling import fast_pickle
 from fuel.graph.ops import OpKind, infer
 
 NodeId = int
@@ -47,6 +48,7 @@ class Op:
     Branch: type[Branch]
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Prim(Op):
     """A primitive op with its attributes (a name-sorted tuple of ``(name, value)`` pairs)."""
@@ -66,6 +68,7 @@ class Prim(Op):
         return f"{self.kind.value}({inner})" if inner else self.kind.value
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Input(Op):
     name: str
@@ -74,6 +77,7 @@ class Input(Op):
         return f"input({self.name})"
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Weight(Op):
     name: str
@@ -82,6 +86,7 @@ class Weight(Op):
         return f"weight({self.name})"
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Const(Op):
     value: float = 0.0
@@ -90,6 +95,7 @@ class Const(Op):
         return f"const({self.value})"
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Fused(Op):
     """A fused op: ``id`` is a ``FusedOps`` member (static) or an int >= 0x8000 (runtime);
@@ -104,6 +110,7 @@ class Fused(Op):
         return f"fused:{fused_name(self.id)}"
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Branch(Op):
     """Competing arms; inputs are the arm exits (arm 0 = the decomposed oracle). ``reconverge_at``
@@ -130,6 +137,7 @@ def _attr_text(value: Any) -> str:
     return repr(value)
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Node:
     op: Op

@@ -48,6 +48,7 @@ from typing import Any
 
 from fuel.errors import FuelError
 from fuel.graph.dtype import INDEX_DTYPES, DType, Shape
+from fuel.pickling import fast_pickle
 from fuel.graph.ir import Fused, Graph, NodeId
 from fuel.graph.ops import OpKind, Predicate, ShapeError
 from fuel.graph.recipe import (
@@ -75,42 +76,50 @@ class FusedOps(IntEnum):
 
 
 # Params, one frozen dataclass per op.
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class SoftmaxLastDim:
     pass
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class RmsNorm:
     eps: float
     has_gain: bool = True
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class LayerNorm:
     eps: float
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Rope:
     pass
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class FusedLinear:
     has_bias: bool = False
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class SiluMul:
     pass
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class ResidualAddRmsNorm:
     eps: float
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class FlashAttn:
     softmax_scale: float
@@ -118,6 +127,7 @@ class FlashAttn:
     softcap: float | None = None
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class PagedAttn:
     softmax_scale: float
@@ -129,6 +139,7 @@ class PagedAttn:
     query's."""
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class QuantLinear:
     """``x @ dequantize(w).T`` for a weight stored as llama.cpp blocks of ``layout`` with
@@ -138,6 +149,7 @@ class QuantLinear:
     cols: int
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Moe:
     top_k: int
@@ -145,6 +157,7 @@ class Moe:
     shared: bool = False
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class RuntimeFusedParams:
     """Values for a runtime region's open slots (name-sorted pairs)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from fuel.graph.dtype import Device
+from fuel.pickling import fast_pickle
 from fuel.graph.ir import NodeId
 
 
@@ -66,6 +67,7 @@ class CostSource(Enum):
     """An opaque cost function (``bake_variant_branches``' ``arm_cost``)."""
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class ArmRecord:
     """One arm as the bake saw it: its exit, device, price (or why it has none)."""
@@ -83,6 +85,7 @@ class ArmRecord:
     step list (``optimize.dispatch_charges``); 0 when it does not."""
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Decision:
     """One branch: its kind, its arms, the winner and why."""
@@ -100,6 +103,7 @@ class Decision:
     """Pareto retention kept the arms live; ``winner`` is the default route, not a bake."""
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Lowering:
     """A fused node with no kernel on the pinned backend, replaced by its recipe (arm 0)."""
@@ -113,6 +117,7 @@ class Lowering:
     """The carrier's :class:`~fuel.jit.JitRequest` for the node, or None when it declined."""
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Offer:
     """A pathfinder's answer at one node: the branch it built, or why it declined."""
