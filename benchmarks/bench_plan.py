@@ -11,7 +11,8 @@ within 25%, i.e. a ratio in [0.8, 1.25]).
 - decode: one sequence, one row per step, priced at the mean context of the timed steps;
   measured = decode seconds / decode steps (after a warm-up generation that builds programs).
 - prefill: one chunk of ``--prompt-tokens`` rows (a power of two: one chunk), context = the
-  prompt; measured = the prefill step's seconds.
+  prompt, the last row's logits alone (as a generation computes them); measured = the prefill
+  step's seconds.
 
 Each of ``--repeats`` rounds probes the machine afresh, prices both steps with that probe and
 then times one generation, and the ratio is that round's predicted / measured; the line shows
@@ -34,7 +35,7 @@ TEXT = ("The bicycle was invented in the nineteenth century and quickly spread a
 
 
 def predicted_ms(dtype: str, mode_name: str, rows: int, context: int,
-                 spec=None) -> tuple[float, float, int]:
+                 spec=None, logit_rows: int | None = None) -> tuple[float, float, int]:
     """(step ms with launches, ceiling ms, launches) as ``fuel plan`` prices the step on
     ``spec`` (default: the cached ``cpu-local`` probe, as ``fuel plan`` reads it)."""
     from fuel.circuit import zoo
@@ -49,7 +50,8 @@ def predicted_ms(dtype: str, mode_name: str, rows: int, context: int,
     circuit = in_dtype(zoo.circuit_for(zoo.shape("smollm2-135m")), weights=fmt, activations=fmt)
     spec = spec or device("cpu-local")
     step = predict_step(circuit, device_info(spec), rule_set_for(spec.title, spec.kind.value),
-                        build_policy(parse_assignments([]), []), Mode(mode_name), [SequenceRows(rows, context)], fmt)
+                        build_policy(parse_assignments([]), []), Mode(mode_name), [SequenceRows(rows, context)], fmt,
+                        logit_rows)
     if not hasattr(step, "with_launch_ns"):
         raise SystemExit(f"no {mode_name} plan at {rows} rows: {step}")
     return step.with_launch_ns / 1e6, step.ceiling_ns / 1e6, step.launches
@@ -106,7 +108,9 @@ def main() -> None:
     rounds = []  # per round: {mode: (predicted, ceiling, launches, measured)}
     for _ in range(args.repeats):
         spec = probe_cpu_local()  # fresh: the generation right after it sees this load
-        predicted = {mode: predicted_ms(args.dtype, mode, rows, ctx, spec)
+        # A generation's prefill computes its last row's logits alone, as fuel run does.
+        predicted = {mode: predicted_ms(args.dtype, mode, rows, ctx, spec,
+                                        logit_rows=1 if mode == "prefill" else None)
                      for mode, rows, ctx in steps}
         decode_ms, prefill_ms, calls = measured_ms(model, ids, args.tokens)
         measured = {"decode": decode_ms, "prefill": prefill_ms}

@@ -203,3 +203,16 @@ def test_prefill_attention_is_priced_at_the_measured_attention_rate_at_its_rows(
     assert w.time_ns(no_curve) == pytest.approx(w.flops / 2e11 * 1e9)
     decode = node_work(c, i, Workload.decode(1, 64, parse("f32")))  # one row: matrix-vector
     assert decode.time_ns(CPU_RATES) == pytest.approx(decode.flops / 1e10 * 1e9)
+
+
+def test_a_prefill_that_keeps_one_rows_logits_prices_the_lm_head_over_that_row_alone():
+    # Why: fuel run's generation computes a prompt chunk's last-row logits only; a plan that
+    # priced the LM head over every row would overstate the step it is compared with.
+    c = dense_circuit(hidden=64, q_heads=4, head_dim=16)
+    every = Workload.prefill(32, BF16)
+    last = Workload((SequenceRows(32, 32),), BF16, logit_rows=1)
+    for node in ("head.lm_head", "head.final_norm"):
+        full, one = (node_work(c, _node(c, node), w) for w in (every, last))
+        assert one.flops * 32 == full.flops and one.weight_bytes == full.weight_bytes
+    q_full, q_one = (node_work(c, _node(c, "l0.attn.q"), w) for w in (every, last))
+    assert q_full == q_one, "every other op still runs every row"

@@ -236,12 +236,14 @@ def _fused_edges(plan: FusionPlan):
 
 
 def predict_step(circuit: Circuit, device: DeviceInfo, choice: RuleChoice, policy: Policy,
-                 mode: Mode, sequences: Sequence[SequenceRows], kv_format: Format = BF16
-                 ) -> StepEstimate | FuseError:
+                 mode: Mode, sequences: Sequence[SequenceRows], kv_format: Format = BF16,
+                 logit_rows: int | None = None) -> StepEstimate | FuseError:
     """The roofline of one step exactly as ``fuel plan`` prices it: the covering plan of
     ``mode`` at the step's rows, costed for ``sequences`` (rows added, context after).
+    ``logit_rows``: the rows whose logits the step computes (None, every row, as the report
+    prices a prefill chunk; a generation's prefill in ``fuel run`` computes one a sequence).
     A mode with no plan at those rows is the :class:`FuseError` that says why."""
-    load = Workload(tuple(sequences), kv_format)
+    load = Workload(tuple(sequences), kv_format, logit_rows)
     plan = _Planner(circuit, choice, policy).plan(mode, load.rows)
     return plan if isinstance(plan, FuseError) else _estimate(circuit, plan, load, device.rates)
 

@@ -199,6 +199,10 @@ class Workload:
 
     sequences: tuple[SequenceRows, ...]
     kv_format: Format
+    logit_rows: int | None = None
+    """Rows whose logits the step computes (the final norm, the LM head and the argmax run over
+    them alone); None, every row (a verify step, a perplexity run). A generation's prefill
+    needs one a sequence: ``fuel run`` computes just those (``StepShape.logit_rows``)."""
 
     @property
     def rows(self) -> int:
@@ -311,6 +315,10 @@ class PlanView:
     internal_edges: frozenset[int] = frozenset()
 
 
+_LOGIT_OPS = frozenset({OpKind.FINAL_NORM, OpKind.LM_HEAD, OpKind.ARGMAX})
+"""The ops that run over the rows whose logits a step computes (``Workload.logit_rows``)."""
+
+
 def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanView = PlanView(),
               passes: int = 1) -> NodeWork:
     """FLOPs and bytes of node ``index`` for one step of ``workload``.
@@ -319,6 +327,8 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
     and each sequence's cache once per pass that touches it."""
     node = circuit.nodes[index]
     rows = workload.rows
+    if workload.logit_rows is not None and node.op.kind in _LOGIT_OPS:
+        rows = min(rows, workload.logit_rows)
     dims = {**circuit.dims}
     formats = view.edge_formats
 
