@@ -33,14 +33,29 @@ def cpu_model() -> str:
 
 @cache
 def library_versions() -> str:
-    """``torch=2.13.0;numpy=2.1.0`` (a missing library is spelled ``name=absent``)."""
+    """``torch=2.13.0;numpy=2.1.0;fuel-native=<digest>`` (a missing library is spelled
+    ``name=absent``; fuel's native kernels by their sources' digest)."""
     parts = []
     for name in KERNEL_LIBRARIES:
         try:
             parts.append(f"{name}={metadata.version(name)}")
         except metadata.PackageNotFoundError:
             parts.append(f"{name}=absent")
+    parts.append(f"fuel-native={_native_sources_digest()}")
     return ";".join(parts)
+
+
+def _native_sources_digest() -> str:
+    """The first 12 hex of SHA-256 over fuel's native C kernels (``fuel/kernels/native/*.c``):
+    a measurement of one of them stands only for the code that was measured, so a changed
+    kernel is measured again (fuel's own library, versioned by its sources)."""
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.sha256()
+    for path in sorted((Path(__file__).resolve().parent.parent / "kernels" / "native").glob("*.c")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def _cuda_identity() -> str:

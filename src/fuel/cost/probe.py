@@ -35,7 +35,11 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
   and over stays in a large LLC (480 MiB on this VM's host) and measured 50 GB/s where a decode
   step of SmolLM2 in f32 (540 MB) reads at ~20. The streaming ``copy_`` rate (read + write) is
   recorded in the source line; writes cost more than reads on this hardware, so the copy rate
-  would understate a read-dominated step.
+  would understate a read-dominated step. **By size** (``bandwidth_by_bytes``): the same
+  kernel streaming distinct weights of 1, 4 and 16 MiB (twice the LLC of each), less a call's
+  fixed cost: each call's read starts cold (the prefetchers ramp up again, the threads fork and
+  join), so a decode step of small matrices reads slower than 64 MiB slices do (here ~22-29
+  GB/s at 1-4 MiB against ~40 at 64 MiB); a weight is priced at the rate of its size.
 - Vector rate: in-cache ``torch.addcmul`` (2 FLOP per element) — elementwise work at its best —
   as the slope between two sizes, so the fixed per-call cost (priced separately, as launch
   overhead) is not folded into the rate.
@@ -78,7 +82,7 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 6  # 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 7  # 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
@@ -247,6 +251,44 @@ def _stream_rates(torch, linear) -> tuple[float, float, int, int]:
     return bandwidth, per_call, len(slices), llc
 
 
+_SIZED_STREAMS = (256, 1024, 4096)
+"""Rows of the ``[rows, 1024]`` f32 weights (1, 4 and 16 MiB) :func:`_stream_by_size` streams:
+a decode step's matrices (SmolLM2's are 1.3-3.5 MiB in f32), not the 64 MiB slices."""
+
+
+def _stream_by_size(torch, linear, llc: int, large: tuple[int, float]) -> list[tuple[int, float]]:
+    """``(bytes of one weight, bytes/s)`` of the f32 linear kernel streaming distinct weights of
+    each size in :data:`_SIZED_STREAMS` (as many as twice the LLC holds, read in one order), then
+    ``large`` (the 64 MiB slices' point). A small weight streams slower than a large one: each
+    call's read starts cold (the prefetchers ramp up again, the threads fork and join), which a
+    decode step of small matrices pays at every product. The fixed cost of a call (its host
+    dispatch, priced apart as the per-call overhead) is taken out: the same call on a 16-row
+    weight the caches hold."""
+    cols = 1024
+    x = torch.randn(1, cols)
+    tiny = torch.full((16, cols), 0.01)
+    for _ in range(3):
+        linear(x, tiny)
+    fixed = profile_kernel(lambda: linear(x, tiny), warmup=10, repeats=9).median_ns
+    points = []
+    for rows in _SIZED_STREAMS:
+        size = rows * cols * 4
+        weights = [torch.full((rows, cols), 0.01)
+                   for _ in range(max(4, -(-max(2 * llc, _STREAM_MIN_BYTES) // size)))]
+        for w in weights:
+            linear(x, w)
+
+        def stream() -> None:
+            for w in weights:
+                linear(x, w)
+
+        timed = profile_kernel(stream, warmup=0, repeats=3, min_sample_ns=0).median_ns
+        per_weight = timed / len(weights) - fixed
+        if per_weight > 0:
+            points.append((size, min(size / (per_weight * 1e-9), large[1])))
+    return [*points, large]
+
+
 def _vector_flops_per_s(torch) -> float:
     """In-cache addcmul rate: the slope between 8 Ki and 32 Ki elements (3 x 128 KiB at most,
     inside L2, so this is arithmetic, not DRAM); the larger size's plain rate, a lower bound,
@@ -397,8 +439,11 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
             numbers[f"{name}_gemv_flops"] = rate
             if name == "fp32":
                 step("weight stream (bandwidth, per-call overhead)")
-                bandwidth, per_call, slices, llc = _stream_rates(torch, _linear_kernel(torch, dtype))
+                kernel = _linear_kernel(torch, dtype)
+                bandwidth, per_call, slices, llc = _stream_rates(torch, kernel)
                 numbers["bandwidth_bytes_per_s"] = bandwidth
+                numbers["bandwidth_by_bytes"] = _stream_by_size(
+                    torch, kernel, llc, (_GEMV_SHAPE[0] * _GEMV_SHAPE[1] * 4, bandwidth))
                 numbers["launch_overhead_ns"] = per_call
                 numbers["stream_note"] = (f"{slices} slices of {rows}x{cols} f32 (LLC "
                                           f"{llc / 2**20:.0f} MiB from sysfs)" if llc else
@@ -449,6 +494,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
     rows_curves = {cls: tuple((int(r), float(v)) for r, v in numbers[f"{name}_gemm_rows_flops"])
                    for name, cls in classes.items() if numbers.get(f"{name}_gemm_rows_flops")}
     attention = tuple((int(r), float(v)) for r, v in numbers.get("attention_rows_flops") or ())
+    by_bytes = tuple((int(b), float(v)) for b, v in numbers.get("bandwidth_by_bytes") or ())
     heads, kv_heads, head_dim = _ATTENTION_LAYOUT
     probe = f"probed on this machine ({fingerprint}; torch threads={numbers['torch_threads']})"
     m, k, n = _GEMM_SHAPE
@@ -464,7 +510,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         launch_overhead_ns=int(numbers["launch_overhead_ns"]),
         sources={
             "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; by rows: the same kernel at M={', '.join(map(str, _GEMM_ROWS))} over {_ROWS_SET_BYTES >> 20} MiB of distinct weights (for {', '.join(sorted(c.value for c in rows_curves)) or 'no dtype'}); matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements; attention by rows: {'the prompt-chunk attention (sdpa_prefill, f32, ' + f'{heads}/{kv_heads} heads of {head_dim}) at as many rows as positions' if attention else 'not measured (no prompt-chunk attention kernel)'}",
-            "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
+            "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); by the size of one weight: {', '.join(f'{b / 2**20:.0f} MiB {v / 1e9:.1f} GB/s' for b, v in by_bytes) or 'not measured'} (distinct f32 weights of that size streamed, less a call's fixed cost); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
             "memory": f"{probe}: physical RAM (sysconf)",
             "launch_overhead": f"{probe}: what a one-element torch.add adds after each streamed weight slice, {_CALLS_PER_SLICE} a slice (a call in a step, caches just flushed; back to back it takes {float(numbers['hot_call_ns']) / 1e3:.1f} us); also the host cost of a view",
             "cache": f"{probe}: {numbers['cache_note']}",
@@ -479,6 +525,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         host_call_ns=int(numbers["launch_overhead_ns"]),
         gemm_rows_flops=rows_curves,
         attention_rows_flops=attention,
+        bandwidth_by_bytes=by_bytes,
     )
 
 
@@ -496,6 +543,7 @@ _REQUIRED = (
     "copy_bytes_per_s",
     "vector_flops",
     "bandwidth_bytes_per_s",
+    "bandwidth_by_bytes",
     "launch_overhead_ns",
     "hot_call_ns",
     "stream_note",

@@ -192,7 +192,7 @@ def roofline(estimate: CostEstimate, device: DeviceSpec) -> Priced | Unpriced:
         if tier is MemoryTier.CACHE:
             bandwidth, what = device.cache_bandwidth_bytes_per_s, "cache bandwidth"
         else:
-            bandwidth, what = device.bandwidth_bytes_per_s, "memory bandwidth"
+            bandwidth, what = device.bandwidth_at(estimate.bytes), "memory bandwidth"
         if not _usable(bandwidth):
             return Unpriced(f"{device.name}: {what} {bandwidth!r} is unusable")
         memory_ns = _time_ns(estimate.bytes, bandwidth)

@@ -154,8 +154,21 @@ class DeviceSpec:
     runs far below the matrix rate). Attention of several rows a sequence is priced at
     :func:`rate_at_rows` of these; empty (a datasheet device): at the dense matrix peak."""
 
+    bandwidth_by_bytes: tuple[tuple[int, float], ...] = ()
+    """DRAM read bandwidth by the size of the weight one call streams, ``((bytes, bytes/s),
+    ...)``, where measured (``cpu-local``: the linear kernel streaming distinct weights of 1, 4,
+    16 and 64 MiB; each call's read starts cold, so a small matrix streams slower). Bytes are
+    priced at :meth:`bandwidth_at`; empty (a datasheet device): ``bandwidth_bytes_per_s``."""
+
     def has_cache_tier(self) -> bool:
         return self.cache_bytes is not None and self.cache_bandwidth_bytes_per_s is not None
+
+    def bandwidth_at(self, call_bytes: float) -> float:
+        """DRAM bytes/s of a call reading ``call_bytes``: :attr:`bandwidth_by_bytes` interpolated
+        in log2(bytes) (the nearest measured size outside them), else the one bandwidth."""
+        if not self.bandwidth_by_bytes or call_bytes <= 0:
+            return self.bandwidth_bytes_per_s
+        return rate_at_rows(self.bandwidth_by_bytes, max(1, int(call_bytes))) or self.bandwidth_bytes_per_s
 
     def matrix_peak(self, dtype: str, *, rows: int = 0) -> float | None:
         """Dense matrix FLOP/s for a dtype, or None when the device has no such peak. A

@@ -131,6 +131,18 @@ class DeviceRates:
     """Measured ``(rows, FLOP/s)`` of a prompt chunk's attention where the device has them
     (``cpu-local``, :attr:`fuel.cost.spec.DeviceSpec.attention_rows_flops`): attention of
     several rows a sequence runs at the rate interpolated at its rows, not the matrix peak."""
+    bandwidth_points: tuple[tuple[int, float], ...] = ()
+    """Measured ``(bytes of one weight, bytes/s)`` where the device has them (``cpu-local``,
+    :attr:`fuel.cost.spec.DeviceSpec.bandwidth_by_bytes`): a node streaming a weight is priced
+    at the bandwidth of that weight's size; empty, at :attr:`bandwidth`."""
+
+    def bandwidth_for(self, weight_bytes: float) -> float:
+        """Bytes/s of a node whose call streams ``weight_bytes`` of weight."""
+        if not self.bandwidth_points or weight_bytes <= 0:
+            return self.bandwidth
+        from fuel.cost.spec import rate_at_rows
+
+        return rate_at_rows(self.bandwidth_points, max(1, int(weight_bytes))) or self.bandwidth
 
     def attention_peak(self, compute: ComputeClass, *, matvec: bool = False,
                        rows: int = 0) -> float:
@@ -248,7 +260,7 @@ class NodeWork:
 
     def time_ns(self, rates: DeviceRates) -> float:
         """The roofline time: the slower of moving the bytes and doing the FLOPs."""
-        memory = self.bytes / rates.bandwidth * 1e9
+        memory = self.bytes / rates.bandwidth_for(self.weight_bytes) * 1e9
         rate = rates.attention_peak if self.attention else rates.peak
         compute = (self.flops / rate(self.compute, matvec=self.matvec, rows=self.matrix_rows)
                    * 1e9 if self.flops else 0.0)

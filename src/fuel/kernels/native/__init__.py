@@ -470,6 +470,9 @@ def build_installed() -> Path | Unavailable:
     import torch  # noqa: F401 — torch's libgomp must be loaded first (one runtime)
 
     target = INSTALLED / build.key / LIBRARY
+    for stale in INSTALLED.glob("*/") if INSTALLED.is_dir() else ():
+        if stale.name != build.key:  # a build of earlier sources: never loaded again
+            shutil.rmtree(stale, ignore_errors=True)
     if not target.exists():
         built = _compile(build.compiler, build.openmp, target.parent, target)
         if isinstance(built, Unavailable):
