@@ -271,10 +271,15 @@ def _stream_by_size(torch, linear, llc: int, large: tuple[int, float]) -> list[t
         linear(x, tiny)
     fixed = profile_kernel(lambda: linear(x, tiny), warmup=10, repeats=9).median_ns
     points = []
+    total = max(2 * llc, _STREAM_MIN_BYTES)
+    physical = _physical_memory_bytes()
+    if physical:
+        total = min(total, max(_STREAM_MIN_BYTES, physical // 8))
+    memory = torch.full((total // 4,), 0.01)  # one set of bytes, cut into weights of each size
     for rows in _SIZED_STREAMS:
         size = rows * cols * 4
-        weights = [torch.full((rows, cols), 0.01)
-                   for _ in range(max(4, -(-max(2 * llc, _STREAM_MIN_BYTES) // size)))]
+        weights = [memory[i * rows * cols:(i + 1) * rows * cols].view(rows, cols)
+                   for i in range(total // size)]
         for w in weights:
             linear(x, w)
 
