@@ -103,7 +103,10 @@ _ATTENTION_BLOCK = 16
 """Positions per cache block (the engine's ``DEFAULT_BLOCK_SIZE``)."""
 _ROWS_BUDGET_NS = 1_000_000_000
 """A dtype whose 256-row pass (weights x one call) would take longer has no rows curve."""
-_SLOW_CALL_NS = 100_000_000
+_SLOW_CALL_NS = 20_000_000
+"""A call slower than this is compute-bound far from the bandwidth (torch's f16 GEMM here: ~67
+ms a 256x512x512 call, at ~2 GFLOP/s): it is timed on an eighth of the rows (0.5 -> 0.15 s of
+a cold first token's probe)."""
 _DTYPES = (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"))
 _CACHE_FRACTIONS = (1 / 16, 1 / 4, 1 / 2, 3 / 4, 1)
 _CACHE_SLOWDOWN = 2.0  # a working set belongs to the tier while it streams within this factor
