@@ -152,16 +152,36 @@ def test_a_probe_without_rows_curves_prices_every_gemm_at_the_dense_peak(isolate
     assert spec.matrix_peak("f32", rows=128) == 1e9 and spec.matrix_peak("f32", rows=1) == 1.5e9
 
 
-def test_the_rows_curve_is_measured_at_the_prompt_chunk_sizes_a_run_pads_to():
-    # Why: the curve prices a prompt chunk at the rows it really runs; if the runtime pads its
-    # chunks to other sizes, the probe must measure those instead.
-    from fuel.runtime.generate import DEFAULT_CHUNK, MIN_BUCKET
+def test_the_rows_curve_spans_the_prompt_chunk_sizes_a_run_pads_to():
+    # Why: the curve prices a prompt chunk at the rows it really runs: the powers of two a run
+    # pads to are measured, the half-steps between them (24, 48 ...) interpolated in log2
+    # between two measured neighbours, none priced outside the measured range.
+    from fuel.runtime.generate import DEFAULT_CHUNK, MIN_BUCKET, bucket
 
-    sizes, size = [], MIN_BUCKET
-    while size <= DEFAULT_CHUNK:
-        sizes.append(size)
-        size *= 2
-    assert probe._GEMM_ROWS == tuple(sizes)
+    padded = sorted({bucket(rows) for rows in range(1, DEFAULT_CHUNK + 1)})
+    powers = [size for size in padded if size & (size - 1) == 0]
+    assert probe._GEMM_ROWS == tuple(powers) and powers[0] == MIN_BUCKET
+    assert all(powers[0] <= size <= powers[-1] for size in padded)
+
+
+def test_a_call_timed_on_fewer_rows_reports_the_time_of_the_shape_asked_for(monkeypatch):
+    # Why: the rows budget prices a 256-row pass with the dense-peak call's time; a slow dtype's
+    # call timed on an eighth of its rows once reported that eighth, and the probe then spent
+    # 80 s timing torch's f16 GEMM at every row count.
+    import time
+
+    import torch
+
+    def slow(torch_module, dtype):
+        def linear(x, w):
+            time.sleep(x.shape[0] * w.shape[0] * 2e-7)  # 256 x 512 rows: ~26 ms a call
+            return None
+        return linear
+
+    monkeypatch.setattr(probe, "_linear_kernel", slow)
+    rate, ns = probe._linear_rate(torch, torch.float32, 256, 512, 512)
+    assert ns > probe._SLOW_CALL_NS, "the full 256-row call's time, though an eighth was timed"
+    assert rate == pytest.approx(2 * 256 * 512 * 512 / (ns * 1e-9), rel=1e-6)
 
 
 def test_the_attention_probe_lays_its_cache_out_as_the_engine_does():

@@ -329,7 +329,8 @@ def _linear_kernel(torch, dtype):
 
 
 def _linear_rate(torch, dtype, m: int, k: int, n: int, *, shrink: bool = True) -> tuple[float, int]:
-    """(FLOP/s, median ns per call) of the CPU linear kernel on an [m, k] x [n, k]^T product.
+    """(FLOP/s, median ns per call of that shape) of the CPU linear kernel on an [m, k] x
+    [n, k]^T product.
 
     A dtype the CPU computes slowly (one call over ``_SLOW_CALL_NS``: compute-bound, far from
     the bandwidth) is timed on an eighth of the rows (M, or N for a one-row product) instead, so the probe stays fast; the rate
@@ -343,6 +344,7 @@ def _linear_rate(torch, dtype, m: int, k: int, n: int, *, shrink: bool = True) -
     started = time.perf_counter_ns()
     linear(x, w)
     once = time.perf_counter_ns() - started
+    scale = 1
     if shrink and once > _SLOW_CALL_NS and max(m, n) >= 64:
         if m >= 64:
             m //= 8
@@ -350,12 +352,14 @@ def _linear_rate(torch, dtype, m: int, k: int, n: int, *, shrink: bool = True) -
         else:
             n //= 8
             w = w[:n].contiguous()
+        scale = 8
         linear(x, w)
         measured = profile_kernel(lambda: linear(x, w), warmup=0, repeats=3, min_sample_ns=0)
     else:
         measured = profile_kernel(lambda: linear(x, w), warmup=1, repeats=5,
                                   min_sample_ns=2_000_000)
-    return 2 * m * k * n / (measured.median_ns * 1e-9), measured.median_ns
+    # The ns of a call of the shape asked for (the rows budget prices a full pass with it).
+    return 2 * m * k * n / (measured.median_ns * 1e-9), measured.median_ns * scale
 
 
 def _linear_rows_rates(torch, dtype, call_ns: float) -> list[list[float]] | None:
