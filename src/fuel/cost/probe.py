@@ -82,7 +82,7 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 7  # 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 8  # 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
@@ -259,17 +259,21 @@ _SIZED_STREAMS = (256, 1024, 4096)
 a decode step's matrices (SmolLM2's are 1.3-3.5 MiB in f32), not the 64 MiB slices."""
 
 
-def _stream_by_size(torch, linear, llc: int, large: tuple[int, float]) -> list[tuple[int, float]]:
+def _stream_by_size(torch, linear, llc: int, large: tuple[int, float] | None = None,
+                    dtype=None) -> list[tuple[int, float]]:
     """``(bytes of one weight, bytes/s)`` of the f32 linear kernel streaming distinct weights of
     each size in :data:`_SIZED_STREAMS` (as many as twice the LLC holds, read in one order), then
     ``large`` (the 64 MiB slices' point). A small weight streams slower than a large one: each
     call's read starts cold (the prefetchers ramp up again, the threads fork and join), which a
     decode step of small matrices pays at every product. The fixed cost of a call (its host
     dispatch, priced apart as the per-call overhead) is taken out: the same call on a 16-row
-    weight the caches hold."""
+    weight the caches hold. ``dtype`` (default f32): the weights' (a 16-bit weight's kernel
+    widens it in registers: its own curve); ``large`` None: no 64 MiB point, and no cap."""
+    dtype = dtype or torch.float32
+    element = torch.empty((), dtype=dtype).element_size()
     cols = 1024
     x = torch.randn(1, cols)
-    tiny = torch.full((16, cols), 0.01)
+    tiny = torch.full((16, cols), 0.01, dtype=dtype)
     for _ in range(3):
         linear(x, tiny)
     fixed = profile_kernel(lambda: linear(x, tiny), warmup=10, repeats=9).median_ns
@@ -278,9 +282,9 @@ def _stream_by_size(torch, linear, llc: int, large: tuple[int, float]) -> list[t
     physical = _physical_memory_bytes()
     if physical:
         total = min(total, max(_STREAM_MIN_BYTES, physical // 8))
-    memory = torch.full((total // 4,), 0.01)  # one set of bytes, cut into weights of each size
+    memory = torch.full((total // element,), 0.01, dtype=dtype)  # cut into weights of each size
     for rows in _SIZED_STREAMS:
-        size = rows * cols * 4
+        size = rows * cols * element
         weights = [memory[i * rows * cols:(i + 1) * rows * cols].view(rows, cols)
                    for i in range(total // size)]
         for w in weights:
@@ -293,8 +297,9 @@ def _stream_by_size(torch, linear, llc: int, large: tuple[int, float]) -> list[t
         timed = profile_kernel(stream, warmup=0, repeats=3, min_sample_ns=0).median_ns
         per_weight = timed / len(weights) - fixed
         if per_weight > 0:
-            points.append((size, min(size / (per_weight * 1e-9), large[1])))
-    return [*points, large]
+            rate = size / (per_weight * 1e-9)
+            points.append((size, rate if large is None else min(rate, large[1])))
+    return points if large is None else [*points, large]
 
 
 def _vector_flops_per_s(torch) -> float:
@@ -449,6 +454,9 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
             step(f"{name} matrix-vector product")
             rate, gemv_ns = _linear_rate(torch, dtype, 1, cols, rows, shrink=name != "fp32")
             numbers[f"{name}_gemv_flops"] = rate
+            if name == "bf16":  # the 16-bit weights' kernel streams at its own rate by size
+                numbers["half_bandwidth_by_bytes"] = _stream_by_size(
+                    torch, _linear_kernel(torch, dtype), llc, dtype=dtype)
             if name == "fp32":
                 step("weight stream (bandwidth, per-call overhead)")
                 kernel = _linear_kernel(torch, dtype)
@@ -507,6 +515,8 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
                    for name, cls in classes.items() if numbers.get(f"{name}_gemm_rows_flops")}
     attention = tuple((int(r), float(v)) for r, v in numbers.get("attention_rows_flops") or ())
     by_bytes = tuple((int(b), float(v)) for b, v in numbers.get("bandwidth_by_bytes") or ())
+    half_by_bytes = tuple((int(b), float(v))
+                          for b, v in numbers.get("half_bandwidth_by_bytes") or ())
     heads, kv_heads, head_dim = _ATTENTION_LAYOUT
     probe = f"probed on this machine ({fingerprint}; torch threads={numbers['torch_threads']})"
     m, k, n = _GEMM_SHAPE
@@ -522,7 +532,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         launch_overhead_ns=int(numbers["launch_overhead_ns"]),
         sources={
             "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; by rows: the same kernel at M={', '.join(map(str, _GEMM_ROWS))} over {_ROWS_SET_BYTES >> 20} MiB of distinct weights (for {', '.join(sorted(c.value for c in rows_curves)) or 'no dtype'}); matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements; attention by rows: {'the prompt-chunk attention (sdpa_prefill, f32, ' + f'{heads}/{kv_heads} heads of {head_dim}) at as many rows as positions' if attention else 'not measured (no prompt-chunk attention kernel)'}",
-            "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); by the size of one weight: {', '.join(f'{b / 2**20:.0f} MiB {v / 1e9:.1f} GB/s' for b, v in by_bytes) or 'not measured'} (distinct f32 weights of that size streamed, less a call's fixed cost); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
+            "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); by the size of one weight: {', '.join(f'{b / 2**20:.0f} MiB {v / 1e9:.1f} GB/s' for b, v in by_bytes) or 'not measured'} (distinct f32 weights of that size streamed, less a call's fixed cost); bf16/f16 weights: {', '.join(f'{b / 2**20:.1f} MiB {v / 1e9:.1f} GB/s' for b, v in half_by_bytes) or 'not measured'} (bf16 weights, the same way); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
             "memory": f"{probe}: physical RAM (sysconf)",
             "launch_overhead": f"{probe}: what a one-element torch.add adds after each streamed weight slice, {_CALLS_PER_SLICE} a slice (a call in a step, caches just flushed; back to back it takes {float(numbers['hot_call_ns']) / 1e3:.1f} us); also the host cost of a view",
             "cache": f"{probe}: {numbers['cache_note']}",
@@ -538,6 +548,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         gemm_rows_flops=rows_curves,
         attention_rows_flops=attention,
         bandwidth_by_bytes=by_bytes,
+        half_bandwidth_by_bytes=half_by_bytes,
     )
 
 
@@ -556,6 +567,7 @@ _REQUIRED = (
     "vector_flops",
     "bandwidth_bytes_per_s",
     "bandwidth_by_bytes",
+    "half_bandwidth_by_bytes",
     "launch_overhead_ns",
     "hot_call_ns",
     "stream_note",

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable
 
-from fuel.cost.spec import DeviceSpec
+from fuel.cost.spec import DeviceSpec, PeakClass, peak_class_of
 
 SATURATED_NS = 2**63 - 1
 
@@ -192,7 +192,9 @@ def roofline(estimate: CostEstimate, device: DeviceSpec) -> Priced | Unpriced:
         if tier is MemoryTier.CACHE:
             bandwidth, what = device.cache_bandwidth_bytes_per_s, "cache bandwidth"
         else:
-            bandwidth, what = device.bandwidth_at(estimate.bytes), "memory bandwidth"
+            half = estimate.matrix_flops > 0 and peak_class_of(estimate.matrix_dtype or "") in (
+                PeakClass.BF16, PeakClass.FP16)
+            bandwidth, what = device.bandwidth_at(estimate.bytes, half=half), "memory bandwidth"
         if not _usable(bandwidth):
             return Unpriced(f"{device.name}: {what} {bandwidth!r} is unusable")
         memory_ns = _time_ns(estimate.bytes, bandwidth)

@@ -163,12 +163,19 @@ class DeviceSpec:
     def has_cache_tier(self) -> bool:
         return self.cache_bytes is not None and self.cache_bandwidth_bytes_per_s is not None
 
-    def bandwidth_at(self, call_bytes: float) -> float:
-        """DRAM bytes/s of a call reading ``call_bytes``: :attr:`bandwidth_by_bytes` interpolated
-        in log2(bytes) (the nearest measured size outside them), else the one bandwidth."""
-        if not self.bandwidth_by_bytes or call_bytes <= 0:
+    half_bandwidth_by_bytes: tuple[tuple[int, float], ...] = ()
+    """The same for 16-bit (bf16/f16) weights, whose kernel widens each in registers
+    (``cpu-local``: bf16 weights of 0.5, 2 and 8 MiB); empty: :attr:`bandwidth_by_bytes`."""
+
+    def bandwidth_at(self, call_bytes: float, *, half: bool = False) -> float:
+        """DRAM bytes/s of a call reading ``call_bytes`` (``half``: of 16-bit weights): the
+        measured curve interpolated in log2(bytes) (the nearest measured size outside it),
+        else the one bandwidth."""
+        points = (self.half_bandwidth_by_bytes if half and self.half_bandwidth_by_bytes
+                  else self.bandwidth_by_bytes)
+        if not points or call_bytes <= 0:
             return self.bandwidth_bytes_per_s
-        return rate_at_rows(self.bandwidth_by_bytes, max(1, int(call_bytes))) or self.bandwidth_bytes_per_s
+        return rate_at_rows(points, max(1, int(call_bytes))) or self.bandwidth_bytes_per_s
 
     def matrix_peak(self, dtype: str, *, rows: int = 0) -> float | None:
         """Dense matrix FLOP/s for a dtype, or None when the device has no such peak. A

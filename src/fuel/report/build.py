@@ -163,7 +163,8 @@ def device_info(spec: Any) -> DeviceInfo:
     attention = tuple((int(r), float(v)) for r, v in spec.attention_rows_flops)
     rates = DeviceRates(spec.name, float(spec.bandwidth_bytes_per_s), peaks,
                         float(spec.launch_overhead_ns), int(spec.memory_bytes), matvec, by_rows,
-                        attention, tuple((int(b), float(v)) for b, v in spec.bandwidth_by_bytes))
+                        attention, tuple((int(b), float(v)) for b, v in spec.bandwidth_by_bytes),
+                        tuple((int(b), float(v)) for b, v in spec.half_bandwidth_by_bytes))
     return DeviceInfo(rates, spec.title, dict(spec.sources))
 
 

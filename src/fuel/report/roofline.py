@@ -135,14 +135,20 @@ class DeviceRates:
     """Measured ``(bytes of one weight, bytes/s)`` where the device has them (``cpu-local``,
     :attr:`fuel.cost.spec.DeviceSpec.bandwidth_by_bytes`): a node streaming a weight is priced
     at the bandwidth of that weight's size; empty, at :attr:`bandwidth`."""
+    half_bandwidth_points: tuple[tuple[int, float], ...] = ()
+    """The same for 16-bit weights (:attr:`fuel.cost.spec.DeviceSpec.half_bandwidth_by_bytes`)."""
 
-    def bandwidth_for(self, weight_bytes: float) -> float:
-        """Bytes/s of a node whose call streams ``weight_bytes`` of weight."""
-        if not self.bandwidth_points or weight_bytes <= 0:
+    def bandwidth_for(self, weight_bytes: float, compute: ComputeClass | None = None) -> float:
+        """Bytes/s of a node whose call streams ``weight_bytes`` of weight (in the 16-bit
+        curve when it computes in bf16/f16 and the device measured one)."""
+        half = compute in (ComputeClass.TENSOR_BF16, ComputeClass.TENSOR_FP16)
+        points = self.half_bandwidth_points if half and self.half_bandwidth_points \
+            else self.bandwidth_points
+        if not points or weight_bytes <= 0:
             return self.bandwidth
         from fuel.cost.spec import rate_at_rows
 
-        return rate_at_rows(self.bandwidth_points, max(1, int(weight_bytes))) or self.bandwidth
+        return rate_at_rows(points, max(1, int(weight_bytes))) or self.bandwidth
 
     def attention_peak(self, compute: ComputeClass, *, matvec: bool = False,
                        rows: int = 0) -> float:
@@ -260,7 +266,7 @@ class NodeWork:
 
     def time_ns(self, rates: DeviceRates) -> float:
         """The roofline time: the slower of moving the bytes and doing the FLOPs."""
-        memory = self.bytes / rates.bandwidth_for(self.weight_bytes) * 1e9
+        memory = self.bytes / rates.bandwidth_for(self.weight_bytes, self.compute) * 1e9
         rate = rates.attention_peak if self.attention else rates.peak
         compute = (self.flops / rate(self.compute, matvec=self.matvec, rows=self.matrix_rows)
                    * 1e9 if self.flops else 0.0)
