@@ -1369,6 +1369,8 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
                        int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
                        float scale, float softcap, int kv_fmt);
 
+#define ATTN_PARALLEL_WORK (1 << 18)  /* positions x query heads x head dim: ~0.25 M MACs */
+
 int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void *table,
                     const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
                     int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
@@ -1393,60 +1395,69 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
             if (blk < 0 || blk >= blocks) return -1;
         }
     }
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(capacity * group + 1));
-    float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D + 1));
-    float *widened = (float *)malloc(sizeof(float) * (size_t)(D + 1));
-    if (!scores || !acc || !widened) { free(scores); free(acc); free(widened); return -1; }
-    for (int64_t b = 0; b < B; b++) {
+    /* One unit is a (sequence, kv head, query row): its group's scores, softmax and values.
+       Units are shared out over torch's pool when there is enough work (a long context, many
+       heads: Llama-3.1-8B at 2048 positions took 4.7 ms serial); a SmolLM2 decode row at a
+       short context stays serial (a parallel region costs more than it saves). Each unit is
+       computed exactly as serially, so the result does not depend on the threads. */
+    extern int omp_get_max_threads(void);
+    extern int omp_get_thread_num(void);
+    const int64_t units = B * Hkv * L;
+    const int parallel = units > 1 && capacity * Hq * D * B * L >= ATTN_PARALLEL_WORK;
+    const int teams = parallel ? omp_get_max_threads() : 1;
+    const size_t per = (size_t)(capacity * group + 1) + (size_t)(group * D + 1) + (size_t)(D + 1);
+    float *scratch = (float *)malloc(sizeof(float) * per * (size_t)(teams > 0 ? teams : 1));
+    if (!scratch) return -1;
+    #pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t b = u / (Hkv * L), kv = (u / L) % Hkv, i = u % L;
+        const int me = parallel ? omp_get_thread_num() : 0;
+        float *scores = scratch + per * (size_t)(me < teams ? me : 0);
+        float *acc = scores + capacity * group + 1, *widened = acc + group * D + 1;
         const int64_t context = idx_at(lens, b, index_bytes);
-        for (int64_t kv = 0; kv < Hkv; kv++)
-            for (int64_t i = 0; i < L; i++) {
-                int64_t visible = context - L + i + 1;
-                if (visible > capacity) visible = capacity;
-                if (visible <= 0) {
-                    for (int64_t g = 0; g < group; g++)
-                        for (int64_t d = 0; d < D; d++) out[((b * Hq + kv * group + g) * L + i) * D + d] = NAN;
-                    continue;
-                }
-                for (int64_t t = 0; t < visible; t++) {
-                    const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
-                    const float *key = cache_row(kv_fmt, kc, (blk * bs + t % bs) * Hkv + kv, D, widened);
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *query = q + ((b * Hq + kv * group + g) * L + i) * D;
-                        float dot = 0.0f;
-                        /* vectorised (a reordered f32 sum, within the JIT's tolerance) */
-                        #pragma omp simd reduction(+:dot)
-                        for (int64_t d = 0; d < D; d++) dot += query[d] * key[d];
-                        float s = dot * scale;
-                        if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
-                        scores[g * capacity + t] = s;
-                    }
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    float *row = scores + g * capacity, top = -INFINITY, total = 0.0f;
-                    for (int64_t t = 0; t < visible; t++) if (row[t] > top) top = row[t];
-                    #pragma omp simd reduction(+:total)
-                    for (int64_t t = 0; t < visible; t++) { row[t] = expf(row[t] - top); total += row[t]; }
-                    const float inv = 1.0f / total;
-                    for (int64_t t = 0; t < visible; t++) row[t] *= inv;
-                }
-                for (int64_t e = 0; e < group * D; e++) acc[e] = 0.0f;
-                for (int64_t t = 0; t < visible; t++) {
-                    const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
-                    const float *value = cache_row(kv_fmt, vc, (blk * bs + t % bs) * Hkv + kv, D, widened);
-                    for (int64_t g = 0; g < group; g++) {
-                        const float w = scores[g * capacity + t];
-                        float *a = acc + g * D;
-                        for (int64_t d = 0; d < D; d++) a[d] += w * value[d];
-                    }
-                }
-                for (int64_t g = 0; g < group; g++)
-                    memcpy(out + ((b * Hq + kv * group + g) * L + i) * D, acc + g * D, sizeof(float) * (size_t)D);
+        int64_t visible = context - L + i + 1;
+        if (visible > capacity) visible = capacity;
+        if (visible <= 0) {
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t d = 0; d < D; d++) out[((b * Hq + kv * group + g) * L + i) * D + d] = NAN;
+            continue;
+        }
+        for (int64_t t = 0; t < visible; t++) {
+            const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
+            const float *key = cache_row(kv_fmt, kc, (blk * bs + t % bs) * Hkv + kv, D, widened);
+            for (int64_t g = 0; g < group; g++) {
+                const float *query = q + ((b * Hq + kv * group + g) * L + i) * D;
+                float dot = 0.0f;
+                /* vectorised (a reordered f32 sum, within the JIT's tolerance) */
+                #pragma omp simd reduction(+:dot)
+                for (int64_t d = 0; d < D; d++) dot += query[d] * key[d];
+                float s = dot * scale;
+                if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
+                scores[g * capacity + t] = s;
             }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *row = scores + g * capacity, top = -INFINITY, total = 0.0f;
+            for (int64_t t = 0; t < visible; t++) if (row[t] > top) top = row[t];
+            #pragma omp simd reduction(+:total)
+            for (int64_t t = 0; t < visible; t++) { row[t] = expf(row[t] - top); total += row[t]; }
+            const float inv = 1.0f / total;
+            for (int64_t t = 0; t < visible; t++) row[t] *= inv;
+        }
+        for (int64_t e = 0; e < group * D; e++) acc[e] = 0.0f;
+        for (int64_t t = 0; t < visible; t++) {
+            const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
+            const float *value = cache_row(kv_fmt, vc, (blk * bs + t % bs) * Hkv + kv, D, widened);
+            for (int64_t g = 0; g < group; g++) {
+                const float w = scores[g * capacity + t];
+                float *a = acc + g * D;
+                for (int64_t d = 0; d < D; d++) a[d] += w * value[d];
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            memcpy(out + ((b * Hq + kv * group + g) * L + i) * D, acc + g * D, sizeof(float) * (size_t)D);
     }
-    free(scores);
-    free(acc);
-    free(widened);
+    free(scratch);
     return 0;
 }
 
