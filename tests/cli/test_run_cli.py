@@ -30,7 +30,10 @@ def _error_line(capsys) -> str:
 @pytest.mark.slow
 def test_run_json_reports_rate_steps_digests_and_bakes(capsys, smollm2_weights, smollm2_oracle,
                                                         smollm2_tokenizer):
-    assert main(["run", "--prompt", "Name a planet.", "-n", "8", "--threads", "2", "--json"]) == 0
+    # f32: the oracle's dtype (a stored Q4_1 run rounds activations to 8 bits at the Judge's
+    # chosen sites, and may part from the f32 greedy text where two logits nearly tie).
+    assert main(["run", "--prompt", "Name a planet.", "-n", "8", "--threads", "2", "--json",
+                 "--dtype", "f32"]) == 0
     report = json.loads(capsys.readouterr().out)
     ids = smollm2_tokenizer.encode(smollm2_tokenizer.format_prompt("Name a planet."))
     assert report["tokens"][0] == smollm2_oracle.greedy(ids, 8, stop=[smollm2_tokenizer.eos_id])

@@ -191,22 +191,22 @@ def test_decode_traffic_counts_every_stored_byte_once(stored):
     assert traffic["floor_tokens_per_s"] == round(spec.bandwidth_bytes_per_s / traffic["bytes_per_token"], 2)
 
 
-def _int4pack_run(shipped_mix, tmp_path, fuel_cache, int4pack_ns: int):
-    """A JIT run of the shipped mix with the Judge's int4pack cells forced to ``int4pack_ns``
-    (every other cell timed): the engine, its decode program and the greedy tokens."""
+def _forced_run(shipped_mix, tmp_path, fuel_cache, forced, forced_ns: int):
+    """A JIT run of the shipped mix with the Judge cells ``forced(key)`` names set to
+    ``forced_ns`` (their kernels still run once on the step's values; every other cell timed):
+    the engine, its decode program and the greedy tokens."""
     from fuel.circuit.rules import Mode
     from fuel.cost.profile import Measurement, profile_kernel
     from fuel.jit.native_synth import CpuSynthesizer
     from fuel.kernels import cpu_table
-    from fuel.kernels.int4pack import KERNEL_SOURCE
     from fuel.runtime.model import jit_options
 
     fast = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
 
     def profile(key, call):
-        if key[4] == KERNEL_SOURCE:
+        if forced(key):
             call()  # the kernel really runs (and converts its weight) on the step's values
-            return Measurement(median_ns=int4pack_ns, spread_ns=0, samples=1, calls_per_sample=1)
+            return Measurement(median_ns=forced_ns, spread_ns=0, samples=1, calls_per_sample=1)
         return profile_kernel(call, **fast)
 
     table = cpu_table()
@@ -216,6 +216,17 @@ def _int4pack_run(shipped_mix, tmp_path, fuel_cache, int4pack_ns: int):
     engine = Engine(shipped_mix[0], max_context=64, table=table, optimize_options=options)
     tokens = generate(engine, PROMPT, 6).tokens
     decode = [p for p in engine.programs() if p.step.plan.mode is Mode.DECODE][0]
+    return engine, decode, tokens
+
+
+def _int4pack_run(shipped_mix, tmp_path, fuel_cache, int4pack_ns: int):
+    """A JIT run of the shipped mix with the Judge's int4pack cells forced to ``int4pack_ns``
+    (every other cell timed): the engine, its decode program, its quant_linear decisions and
+    the greedy tokens."""
+    from fuel.kernels.int4pack import KERNEL_SOURCE
+
+    engine, decode, tokens = _forced_run(shipped_mix, tmp_path, fuel_cache,
+                                         lambda key: key[4] == KERNEL_SOURCE, int4pack_ns)
     rows = [r for r in decode.branch_decisions() if r["region"] == "quant_linear"]
     return engine, decode, rows, tokens
 
@@ -272,30 +283,13 @@ def test_int4pack_measured_fastest_runs_its_kernel_and_computes_the_dequantized_
 
 
 def _forced_adopted_run(shipped_mix, tmp_path, fuel_cache, adopted_ns: int):
-    """A JIT run of the shipped mix with every adopted kernel's Judge cell forced to
-    ``adopted_ns`` (the recipe's cells timed): the decode program and its tokens."""
-    from fuel.circuit.rules import Mode
-    from fuel.cost.profile import Measurement, profile_kernel
-    from fuel.jit.native_synth import CpuSynthesizer
-    from fuel.kernels import cpu_table
+    """A JIT run of the shipped mix with every adopted kernel's Judge cell (and int4pack's)
+    forced to ``adopted_ns`` (the recipe's cells timed): the decode program and its tokens."""
     from fuel.kernels.int4pack import KERNEL_SOURCE
-    from fuel.runtime.model import jit_options
 
-    fast = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
-
-    def profile(key, call):
-        if not key[4].startswith("torch.") or key[4] == KERNEL_SOURCE:
-            call()
-            return Measurement(median_ns=adopted_ns, spread_ns=0, samples=1, calls_per_sample=1)
-        return profile_kernel(call, **fast)
-
-    table = cpu_table()
-    options = jit_options(table, store_path=tmp_path / "judge.sqlite", profile=profile,
-                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
-    options.jit.profile_options = fast
-    engine = Engine(shipped_mix[0], max_context=64, table=table, optimize_options=options)
-    tokens = generate(engine, PROMPT, 6).tokens
-    decode = [p for p in engine.programs() if p.step.plan.mode is Mode.DECODE][0]
+    _, decode, tokens = _forced_run(
+        shipped_mix, tmp_path, fuel_cache,
+        lambda key: not key[4].startswith("torch.") or key[4] == KERNEL_SOURCE, adopted_ns)
     return decode, tokens
 
 
