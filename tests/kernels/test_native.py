@@ -516,3 +516,28 @@ def test_the_argmax_kernel_answers_like_torch_with_and_without_keepdim(lib, keep
     step_list = program.run({"x": rows})  # the program laid out as one native call
     for got in (kernel[pick], step_list[pick]):
         assert got.shape == want.shape and got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("context", [7, 300, 2000])
+def test_decode_attention_over_a_long_context_matches_f64_softmax_attention(lib, context):
+    # Why: the softmax's exponentials run eight at a time (a polynomial exp, ~1 ulp) and long
+    # contexts share their units over the pool; both must still give attention as f64 does,
+    # within f32 rounding, and a NaN score must stay NaN as it does in the recipe.
+    torch.manual_seed(context)
+    heads, kv_heads, dim, block, width = 8, 2, 64, 16, 128
+    k_cache = (torch.randn(width, block, kv_heads, dim) * 2)
+    v_cache = torch.randn(width, block, kv_heads, dim)
+    q = torch.randn(1, heads, 1, dim) * 2
+    table = torch.arange(width, dtype=torch.int64).reshape(1, width)
+    lens = torch.tensor([context], dtype=torch.int64)
+    out = lib.paged_attn(q, k_cache, v_cache, table, lens, dim ** -0.5, 0.0)
+    keys = k_cache.reshape(-1, kv_heads, dim)[:context].double().permute(1, 0, 2)
+    values = v_cache.reshape(-1, kv_heads, dim)[:context].double().permute(1, 0, 2)
+    group = heads // kv_heads
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), keys.repeat_interleave(group, 0)[None], values.repeat_interleave(group, 0)[None],
+        scale=dim ** -0.5)
+    assert float((out.double() - reference).abs().max()) < 1e-5
+    q[0, 3, 0, 5] = float("nan")
+    poisoned = lib.paged_attn(q, k_cache, v_cache, table, lens, dim ** -0.5, 0.0)
+    assert torch.isnan(poisoned[0, 3]).all() and not torch.isnan(poisoned[0, 4]).any()

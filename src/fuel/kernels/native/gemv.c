@@ -1341,6 +1341,32 @@ static inline int64_t idx_at(const void *p, int64_t i, int index_bytes) {
     return index_bytes == 8 ? ((const int64_t *)p)[i] : (int64_t)((const uint32_t *)p)[i];
 }
 
+#ifdef __AVX2__
+/* exp of eight floats: 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts,
+   |r| <= ln 2 / 2), exp(r) by its Taylor polynomial to r^6 (truncation < 1.3e-7 relative,
+   about one ulp), 2^n built in the exponent bits. x is clamped to [-87.3, 88.7] (the normal
+   range: below it the result is ~1e-38 where expf gives a denormal or 0, nothing a softmax
+   total of at least 1 can see); a NaN stays NaN. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)),
+                                         _mm256_set1_ps(88.7228f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+#endif
+
 /* Row `row` (D elements) of a cache of element format kv_fmt (F32, F16, BF16) as f32: the row
    itself for f32, else widened into `buffer`. */
 static inline const float *cache_row(int kv_fmt, const void *cache, int64_t row, int64_t D,
@@ -1439,8 +1465,18 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
         for (int64_t g = 0; g < group; g++) {
             float *row = scores + g * capacity, top = -INFINITY, total = 0.0f;
             for (int64_t t = 0; t < visible; t++) if (row[t] > top) top = row[t];
-            #pragma omp simd reduction(+:total)
-            for (int64_t t = 0; t < visible; t++) { row[t] = expf(row[t] - top); total += row[t]; }
+            int64_t t = 0;
+#ifdef __AVX2__  /* the exponentials eight at a time (a scalar expf was most of a long row) */
+            const __m256 shift = _mm256_set1_ps(top);
+            __m256 sums = _mm256_setzero_ps();
+            for (; t + 8 <= visible; t += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), shift));
+                _mm256_storeu_ps(row + t, e);
+                sums = _mm256_add_ps(sums, e);
+            }
+            total = hsum(sums);
+#endif
+            for (; t < visible; t++) { row[t] = expf(row[t] - top); total += row[t]; }
             const float inv = 1.0f / total;
             for (int64_t t = 0; t < visible; t++) row[t] *= inv;
         }
