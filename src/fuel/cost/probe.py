@@ -89,8 +89,9 @@ _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this,
 _CALLS_PER_SLICE = 16
 _GEMM_SHAPE = (256, 512, 512)  # (M, K, N) of the prefill-shaped product
 _GEMM_ROWS = (16, 32, 64, 128, 256)
-"""Row counts of the matrix-rate curve: the sizes a CPU prompt chunk runs at
-(``fuel.runtime.generate``: powers of two from ``MIN_BUCKET`` to ``DEFAULT_CHUNK``)."""
+"""Row counts of the matrix-rate curve: the powers of two a CPU prompt chunk runs at
+(``fuel.runtime.generate.bucket``, ``MIN_BUCKET`` to ``DEFAULT_CHUNK``); the half-steps between
+them (24, 48, 96, 192) are priced by interpolating in log2 between two measured neighbours."""
 _ROWS_SET_BYTES = 64 * 1024 * 1024
 """Bytes of distinct weights a rows pass reads (64 512x512 f32 weights, 128 in bf16): twice the
 LLC this VM reports, so the pass's weights are not all cache-resident, as a step's are not."""
