@@ -212,17 +212,23 @@ def _measure_cache_tier(torch, threads: int, dram_bytes_per_s: float) -> tuple[i
     )
 
 
+def _stream_bytes(llc: int, at_least: int) -> int:
+    """Bytes a streamed weight set spans: twice the LLC, at least ``_STREAM_MIN_BYTES``, at most
+    an eighth of RAM (never below ``at_least``)."""
+    total = max(_STREAM_MIN_BYTES, 2 * llc)
+    memory = _physical_memory_bytes()
+    if memory:
+        total = min(total, max(at_least, memory // 8))
+    return total
+
+
 def _stream_slices(torch) -> tuple[list, int]:
     """f32 ``[4096, 4096]`` weight slices whose total is twice the LLC (at least
     ``_STREAM_MIN_BYTES``, at most an eighth of RAM), and the LLC size used (0: unknown)."""
     rows, cols = _GEMV_SHAPE
     slice_bytes = rows * cols * 4
     llc = _llc_bytes() or 0
-    total = max(_STREAM_MIN_BYTES, 2 * llc)
-    memory = _physical_memory_bytes()
-    if memory:
-        total = min(total, max(slice_bytes, memory // 8))
-    count = max(1, -(-total // slice_bytes))
+    count = max(1, -(-_stream_bytes(llc, slice_bytes) // slice_bytes))
     return [torch.full((rows, cols), 0.01) for _ in range(count)], llc
 
 
@@ -262,8 +268,8 @@ a decode step's matrices (SmolLM2's are 1.3-3.5 MiB in f32), not the 64 MiB slic
 
 def _stream_by_size(torch, linear, llc: int, large: tuple[int, float] | None = None,
                     dtype=None) -> list[tuple[int, float]]:
-    """``(bytes of one weight, bytes/s)`` of the f32 linear kernel streaming distinct weights of
-    each size in :data:`_SIZED_STREAMS` (as many as twice the LLC holds, read in one order), then
+    """``(bytes of one weight, bytes/s)`` of the linear kernel streaming distinct weights of each
+    size in :data:`_SIZED_STREAMS` (a set as large as :func:`_stream_bytes`, read in order), then
     ``large`` (the 64 MiB slices' point). A small weight streams slower than a large one: each
     call's read starts cold (the prefetchers ramp up again, the threads fork and join), which a
     decode step of small matrices pays at every product. The fixed cost of a call (its host
@@ -279,10 +285,7 @@ def _stream_by_size(torch, linear, llc: int, large: tuple[int, float] | None = N
         linear(x, tiny)
     fixed = profile_kernel(lambda: linear(x, tiny), warmup=10, repeats=9).median_ns
     points = []
-    total = max(2 * llc, _STREAM_MIN_BYTES)
-    physical = _physical_memory_bytes()
-    if physical:
-        total = min(total, max(_STREAM_MIN_BYTES, physical // 8))
+    total = _stream_bytes(llc, _SIZED_STREAMS[-1] * cols * element)
     memory = torch.full((total // element,), 0.01, dtype=dtype)  # cut into weights of each size
     for rows in _SIZED_STREAMS:
         size = rows * cols * element

@@ -398,10 +398,6 @@ class Engine:
             logits, tokens, chosen = program.run_routed(feeds)
         else:
             logits, tokens = program.run(feeds)
-        if logit_rows is not None and logits.shape[0] != len(logit_rows):
-            # A circuit without a final norm computes every row: the rows asked for, picked here.
-            picked = torch.tensor(list(logit_rows), dtype=torch.int64)
-            logits, tokens = logits.index_select(0, picked), tokens.reshape(-1).index_select(0, picked)
         self.stats.record(mode, program)
         if chosen:
             self.stats.record_routing(mode, program, chosen)

@@ -313,17 +313,24 @@ def _sliced_part(graph: Graph, node_id: NodeId, lowered: Lowered, same: dict[Nod
     concat = graph.node(source)
     if not (isinstance(concat.op, Prim) and concat.op.kind is OpKind.CONCAT) or source in unmergeable:
         return None
+    part = concat_part(graph, op, concat, lowered.reads[source])
+    return None if part is None else same.get(part, part)
+
+
+def concat_part(graph: Graph, op: Prim, concat, parts) -> NodeId | None:
+    """The operand among ``parts`` (the concatenation's, in order) that the slice ``op`` of the
+    ``concat`` node takes back whole, or None."""
     attrs, rank = op.attr_dict(), len(concat.shape.dims)
     dim = concat.op.attr_dict()["dim"] % rank
     if attrs["dim"] % rank != dim:
         return None
     offset = 0
-    for part in lowered.reads[source]:
+    for part in parts:
         extent = graph.node(part).shape.dims[dim]
         if not isinstance(extent, int):
             return None
         if (attrs["start"], attrs["end"]) == (offset, offset + extent):
-            return same.get(part, part)
+            return part
         offset += extent
     return None
 

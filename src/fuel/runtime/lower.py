@@ -870,6 +870,11 @@ class _Lowerer:
                     tokens = self.edges[e]
         if logits is None or tokens is None:
             raise LowerError(f"the {self.plan.mode.value} plan produces no logits/tokens outputs")
+        if self.shape.logit_rows is not None and not self._picked:
+            # No final norm to pick the rows at (a circuit without one): the outputs' rows.
+            rows = self._input(LOGIT_ROWS, (self.shape.logit_rows,), DType.I64)
+            logits = self.graph.prim(OpKind.INDEX_SELECT, logits, rows, dim=0)
+            tokens = self.graph.prim(OpKind.INDEX_SELECT, tokens, rows, dim=0)
         return StepGraph(
             graph=self.graph, logits=logits, tokens=tokens, plan=self.plan, shape=self.shape,
             dtype=self.dtype, inputs=tuple(self._inputs),

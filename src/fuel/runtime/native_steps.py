@@ -327,27 +327,16 @@ def steppable(table, backend) -> Any:
 
 def _takes_back_a_part(graph: Graph, node_id: NodeId) -> bool:
     """Whether ``node_id`` is a slice returning one operand of the concatenation it reads whole
-    (what ``executor._sliced_part`` replaces by that operand)."""
+    (what the executor replaces by that operand: ``executor.concat_part``)."""
+    from fuel.runtime.executor import concat_part
+
     node = graph.node(node_id)
     if not (isinstance(node.op, Prim) and node.op.kind is OpKind.SLICE):
         return False
     concat = graph.node(node.inputs[0])
     if not (isinstance(concat.op, Prim) and concat.op.kind is OpKind.CONCAT):
         return False
-    rank = len(concat.shape.dims)
-    dim = concat.op.attr_dict()["dim"] % rank
-    attrs = node.op.attr_dict()
-    if attrs["dim"] % rank != dim:
-        return False
-    offset = 0
-    for part in concat.inputs:
-        extent = graph.node(part).shape.dims[dim]
-        if not isinstance(extent, int):
-            return False
-        if (attrs["start"], attrs["end"]) == (offset, offset + extent):
-            return True
-        offset += extent
-    return False
+    return concat_part(graph, node.op, concat, concat.inputs) is not None
 
 
 class _Planner:

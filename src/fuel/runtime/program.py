@@ -277,7 +277,7 @@ def probe_feeds(step: StepGraph, dtype: Any, seed: int = 0) -> dict[str, Any]:
     feeds[TOKENS] = torch.zeros(len(positions), dtype=torch.int64)
     feeds[POSITIONS] = torch.tensor(positions, dtype=torch.int64)
     feeds[SLOTS] = torch.tensor(slots, dtype=torch.int64)
-    if shape.logit_rows is not None:  # each sequence's last rows, as a generation asks
+    if shape.logit_rows is not None:  # the step's last rows (one sequence's: its last row)
         feeds[LOGIT_ROWS] = torch.arange(len(positions) - shape.logit_rows, len(positions),
                                          dtype=torch.int64)
     from fuel.kernels.torch_kernels import torch_dtype
