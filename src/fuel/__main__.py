@@ -2,6 +2,6 @@
 
 import sys
 
-from fuel.cli import main
+from fuel.console import main
 
 sys.exit(main())

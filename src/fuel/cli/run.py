@@ -111,6 +111,7 @@ def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, spe
               chat: bool, as_json: bool, jit: bool | None = None,
               program_cache: bool = True, report: str = "short") -> dict[str, Any]:
     from fuel.cli.progress import BuildProgress
+    from fuel.console import startup_done
     from fuel.jit.session import numba_available
     from fuel.progress import listening
     from fuel.runtime.model import load_model, set_threads
@@ -128,6 +129,7 @@ def run_model(model: str | None, prompts: list[str], *, max_new_tokens: int, spe
         loaded = load_model(model, dtype=dtype, max_context=max_context,
                             max_sequences=max(len(texts), 1), jit=jit,
                             program_cache=program_cache, on_build=progress)
+        startup_done()  # the collector, held off while the process started (fuel.console)
         return _generate(loaded, texts, max_new_tokens=max_new_tokens, speculate=speculate,
                          drafter=drafter, chat=chat, as_json=as_json, threads=threads,
                          full=report == "full", progress=progress)

@@ -42,6 +42,7 @@ def serve_command(
         import uvicorn  # noqa: F401
     except ImportError as missing:
         raise InputError("fuel serve", None, f"{missing.name} is not installed: pip install 'fuel[serve]'") from None
+    from fuel.console import startup_done
     from fuel.jit.session import numba_available
     from fuel.runtime.model import DRAFTERS, load_model, set_threads
     from fuel.serve import ServeOptions, serve_forever
@@ -58,6 +59,7 @@ def serve_command(
         loaded = load_model(model, dtype=dtype, max_context=max_context,
                             max_sequences=max_batch, jit=numba_available() if jit is None else jit,
                             program_cache=program_cache)
+    startup_done()  # the collector, held off while the process started (fuel.console)
     options = ServeOptions(max_batch=max_batch, token_budget=token_budget, speculate=speculate,
                            drafter=drafter, api_key=api_key, model_name=served_model_name,
                            default_max_tokens=default_max_tokens)
