@@ -189,6 +189,9 @@ def fuel_worker(args) -> dict:
     """One fuel process's measurements (``--worker fuel``): see the module docstring."""
     import time as clock
 
+    from fuel import console
+
+    console.hold()  # start-up as the `fuel` console script runs it (fuel.console)
     from fuel.circuit.rules import Mode
     from fuel.runtime.generate import generate
     from fuel.runtime.model import load_model, set_threads
@@ -198,6 +201,7 @@ def fuel_worker(args) -> dict:
     model = load_model(None, dtype=FUEL_DTYPE_OF.get(args.dtype[0], args.dtype[0]), max_context=1024, progress=False, jit=True,
                        program_cache=True)
     load_s = clock.perf_counter() - started
+    console.startup_done()
     with open(args.prompts) as handle:
         prompts = json.load(handle)
     engine = model.engine

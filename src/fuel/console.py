@@ -14,7 +14,7 @@ and re-enables the collector, so a long-lived server collects as usual, without 
 start-up objects.
 
 Invariants:
-- Only a process that entered through :func:`main` has its collector touched; importing fuel
+- Only a process that entered through :func:`main` (or called :func:`hold`) has its collector touched; importing fuel
   as a library, or calling :func:`fuel.cli.app.main` in-process (the tests), changes nothing.
 - :func:`startup_done` is idempotent and runs, at the latest, when :func:`main` returns or
   raises; reference counting frees every acyclic object meanwhile.
@@ -33,10 +33,7 @@ _held = False
 
 def main() -> int:
     """The console script: run the CLI with the collector held off until start-up ends."""
-    global _held
-    if gc.isenabled():
-        gc.disable()
-        _held = True
+    hold()
     try:
         from fuel.cli.app import main as cli_main
 
@@ -46,6 +43,16 @@ def main() -> int:
         return cli_main(args)
     finally:
         startup_done()
+
+
+def hold() -> None:
+    """Start-up begins: hold the collector off until :func:`startup_done` (the console script's
+    first step; a benchmark's worker process that measures what a ``fuel`` user sees calls it
+    too). A no-op when the collector is already off."""
+    global _held
+    if gc.isenabled():
+        gc.disable()
+        _held = True
 
 
 def startup_done() -> None:
@@ -58,4 +65,4 @@ def startup_done() -> None:
         gc.enable()
 
 
-__all__ = ["LOADS_A_MODEL", "main", "startup_done"]
+__all__ = ["LOADS_A_MODEL", "hold", "main", "startup_done"]
