@@ -46,9 +46,17 @@ def test_plain_bytes_are_element_size_times_elements():
 def test_fp8_bytes_count_each_scale_as_f32():
     assert parse("fp8/tensor").bytes(4, 256) == 4 * 256 + 4
     assert parse("fp8/token").bytes(4, 256) == 4 * 256 + 4 * 4
-    assert parse("fp8/channel").bytes(4, 256) == 4 * 256 + 4 * 256
+    assert parse("fp8/channel").bytes(4, 256) == 4 * 256 + 4 * 4  # one scale per row
     assert parse("fp8/g128").bytes(4, 384) == 4 * 384 + 4 * (4 * 3)
     assert parse("fp8/block128x128").bytes(200, 300) == 200 * 300 + 4 * (2 * 3)
+
+
+def test_channel_scales_count_one_per_output_row_of_a_weight():
+    # Why: a per-channel weight [out, in] is priced weight_bytes(out, in); its scales are one
+    # per output channel (compressed-tensors' weight_scale [out, 1]), so a 1536x576 up
+    # projection carries 1536 of them, not 576.
+    assert parse("int8/channel").weight_bytes(1536, 576) == 1536 * 576 + 4 * 1536
+    assert parse("fp8/channel").weight_bytes(1536, 576) == 1536 * 576 + 4 * 1536
 
 
 def test_four_bit_bytes_pack_two_per_byte_and_count_one_byte_scales():

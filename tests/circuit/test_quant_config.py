@@ -25,6 +25,11 @@ ZOO = Path(__file__).resolve().parents[2] / "src" / "fuel" / "data" / "zoo" / "l
         "num_bits": 8, "type": "float", "strategy": "channel"}}}}, "fp8/channel"),
     ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}}}}, "int4/g32"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}}, "int8/channel"),
+    # compressed-tensors' QuantizationArgs default symmetric=True: an absent key is symmetric.
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel"}}}}, "int8/channel"),
 ])
 def test_quantization_config_maps_to_its_stored_format(config, expected):
     assert weight_format_of("config.json", config) == parse(expected)
@@ -38,6 +43,29 @@ def test_quantization_config_maps_to_its_stored_format(config, expected):
 def test_unmapped_quantization_config_is_refused_naming_the_key(config, key):
     with pytest.raises(QuantConfigUnsupported, match=key.replace(".", r"\.")):
         weight_format_of("config.json", config)
+
+
+def _int8_weights(**args):
+    weights = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, **args}
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": weights}}}
+
+
+@pytest.mark.parametrize(("config", "key", "value"), [
+    (_int8_weights(symmetric=False), "quantization_config.config_groups.group_0.weights.symmetric",
+     "False"),
+    (_int8_weights(strategy="tensor"), "quantization_config.config_groups.group_0.weights",
+     "'strategy': 'tensor'"),
+    (_int8_weights(strategy="group", group_size=128),
+     "quantization_config.config_groups.group_0.weights", "'strategy': 'group'"),
+    (_int8_weights(num_bits=6), "quantization_config.config_groups.group_0.weights",
+     "'num_bits': 6"),
+])
+def test_int8_weights_other_than_symmetric_per_channel_are_refused_naming_key_and_value(
+        config, key, value):
+    with pytest.raises(QuantConfigUnsupported) as refused:
+        weight_format_of("cfg/config.json", config)
+    message = str(refused.value)
+    assert "cfg/config.json" in message and f"`{key}`" in message and value in message
 
 
 def test_kv_cache_scheme_reads_as_a_kv_format():

@@ -37,7 +37,7 @@ def test_hf_weight_only_formats_parse_and_count_their_scales():
     assert int4.kind is FormatKind.INT4 and int4.name() == "int4/g128"
     # 4096 nibbles = 2048 bytes per row, 32 groups: f16 scales 64 bytes + 16 bytes of zeros.
     assert int4.bytes(1, 4096) == 2048 + 64 + 16
-    assert parse("int8/channel").bytes(2, 8) == 16 + 4 * 8
+    assert parse("int8/channel").bytes(2, 8) == 16 + 4 * 2  # an f32 scale per row
     with pytest.raises(FormatError, match="gguf/q9_9"):
         parse("gguf/q9_9")
 

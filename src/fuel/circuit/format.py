@@ -10,12 +10,27 @@ Invariants:
   are exact: packed 4-bit data rounds up to whole bytes per row, and each scale is counted at
   its stored width (f32 for fp8 scales and the nvfp4 global scale, one byte for the fp8 E4M3
   block scales of nvfp4 and the E8M0 scales of mxfp4).
+- A ``channel`` scale is one per output channel: one per row of a ``rows x dim`` tensor (a
+  weight ``[out, in]`` is priced as ``weight_bytes(out, in)``), as the checkpoints that store
+  them do (compressed-tensors' ``weight_scale`` ``[out, 1]``, fp8's per-channel scales).
 - nvfp4's f32 global scale is per row on an activation (each token row is quantized on its own,
   so a step's rows never share a scale) and per tensor on a weight.
 - A group scale ``g<n>`` tiles a row exactly: a ``dim`` that is not a multiple of ``n`` has no
   size (:class:`UnsizedFormat`, naming format, dim and group), never a silently rounded-up one.
   2-D ``block<r>x<c>`` weight tiles keep partial edge tiles (counted by ceiling), as blockwise
   fp8 checkpoints store them.
+- Packed rows (:data:`ROW_LAYOUTS`, what ``quant_linear`` and ``dequantize`` read): a weight held
+  as u8 ``[rows, row_bytes]``, each row a run of whole blocks plus the layout's per-row tail
+  (:data:`ROW_TAIL_BYTES`). :func:`row_bytes` is the one width rule, and a packed weight's bytes
+  equal its format's ``weight_bytes`` (the tests hold every layout to it).
+- ``int8/channel`` runs as the row layout ``int8_channel`` (:data:`INT8_ROWS`): each row is its
+  ``cols`` int8 weights, then its f32 scale (4 bytes, little-endian), so ``w = q * scale``. One
+  "block" is one element of one byte and the scale is the row's tail. Why this layout: the
+  scale travels with its row, so every row-wise consumer (a gathered embedding row, a rank's
+  slice of rows, the dequantize primitive) reads a row alone, and ``quant_linear`` keeps its one
+  packed operand; ``rows * (cols + 4)`` is exactly ``weight_bytes(rows, cols)``. The cost: the
+  int8 matrix is not one contiguous ``[rows, cols]`` block, so a kernel that wants one (torch's
+  ``_weight_int8pack_mm``) converts once (:mod:`fuel.kernels.int8pack`).
 """
 
 from __future__ import annotations
@@ -172,7 +187,7 @@ def _scale_count(scale: Scale | None, rows: int, dim: int) -> int:
         case ScaleKind.TOKEN:
             return rows
         case ScaleKind.CHANNEL:
-            return dim
+            return rows  # one per output channel: a row of the [out, in] tensor
         case ScaleKind.GROUP:
             return rows * (dim // scale.group)  # exact: the caller checked the division
         case ScaleKind.BLOCK:
@@ -201,8 +216,45 @@ HALF_ROWS: dict[str, tuple[int, int]] = {"f16": (1, 2), "bf16": (1, 2)}
 """16-bit float matrices held as packed rows (a bf16/f16 run's matrices, a GGUF's F16/BF16
 ones in ``--dtype stored``): one element per 2-byte "block"."""
 
-ROW_LAYOUTS: dict[str, tuple[int, int]] = {**GGUF_BLOCKS, **HALF_ROWS}
+INT8_CHANNEL_LAYOUT = "int8_channel"
+INT8_ROWS: dict[str, tuple[int, int]] = {INT8_CHANNEL_LAYOUT: (1, 1)}
+"""Per-channel int8 weights (``int8/channel``) as packed rows: one int8 element per one-byte
+"block", the row's f32 scale as its tail (module docs)."""
+
+ROW_LAYOUTS: dict[str, tuple[int, int]] = {**GGUF_BLOCKS, **HALF_ROWS, **INT8_ROWS}
 """Every layout a packed ``[rows, row_bytes]`` weight may have: ``(elements, bytes)`` per block."""
+
+ROW_TAIL_BYTES: dict[str, int] = {INT8_CHANNEL_LAYOUT: 4}
+"""Bytes after a layout's blocks in every packed row (the per-row f32 scale of ``int8_channel``);
+0 for a layout not named."""
+
+
+def row_bytes(layout: str, cols: int) -> int:
+    """Bytes of one packed row of ``cols`` elements in ``layout`` (``cols`` fills whole blocks:
+    the caller checks ``cols % elements``), its tail included."""
+    elements, block_bytes = ROW_LAYOUTS[layout]
+    return cols // elements * block_bytes + ROW_TAIL_BYTES.get(layout, 0)
+
+
+def row_cols(layout: str, width: int) -> int:
+    """Elements in a packed row of ``width`` bytes (the inverse of :func:`row_bytes`)."""
+    elements, block_bytes = ROW_LAYOUTS[layout]
+    return (width - ROW_TAIL_BYTES.get(layout, 0)) // block_bytes * elements
+
+
+def row_layout(format_name: str | None) -> str | None:
+    """The packed-row layout a weight held in ``format_name`` runs as: ``gguf/q4_1`` -> ``q4_1``,
+    a half-precision matrix ``bf16`` -> ``bf16``, ``int8/channel`` -> ``int8_channel``; None for
+    a plain tensor (or no format)."""
+    if not format_name:
+        return None
+    if format_name.startswith("gguf/"):
+        return format_name.removeprefix("gguf/")
+    if format_name in HALF_ROWS:
+        return format_name
+    if format_name == "int8/channel":
+        return INT8_CHANNEL_LAYOUT
+    return None
 
 
 

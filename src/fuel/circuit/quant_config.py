@@ -10,10 +10,17 @@ Decides what a checkpoint's ``quantization_config`` means as a stored weight for
 ``quant_method = "fp8"`` without a block size                ``fp8/channel`` (per output channel)
 ``quant_method = "gptq"`` or ``"awq"``, ``bits = 4``          ``int4/g<group_size>``
 ``quant_method = "bitsandbytes"``, ``load_in_8bit``           ``int8/channel``
-``quant_method = "compressed-tensors"``: the first config      ``fp8/...`` or ``int4/g<n>`` by its
-group's ``weights`` (``num_bits``, ``type``, ``strategy``,     weight args (``channel``,
-``group_size``, ``block_structure``)                           ``group``, ``block``, ``tensor``)
+``quant_method = "compressed-tensors"``: the first config      ``fp8/...``, ``int4/g<n>`` or
+group's ``weights`` (``num_bits``, ``type``, ``strategy``,     ``int8/channel`` by its weight args
+``group_size``, ``block_structure``, ``symmetric``)            (below)
 ===========================================================  =====================================
+
+compressed-tensors weight args: 8-bit ``float`` with strategy ``channel``, ``tensor`` or
+``block`` → ``fp8/channel|tensor|block<r>x<c>``; 4-bit ``int`` with strategy ``group`` →
+``int4/g<group_size>``; 8-bit ``int`` with strategy ``channel`` and ``symmetric`` (absent means
+symmetric, the library's default) → ``int8/channel`` (one f32-or-narrower scale per output row,
+no zero point: what ``fuel run`` executes, :mod:`fuel.runtime.int8_checkpoint`). An asymmetric
+int8 (zero points) or another 8-bit int strategy (``tensor``, ``group``, ``token``) is refused.
 
 ``kv_cache_scheme`` (compressed-tensors): ``num_bits = 8``, ``type = "float"`` → ``fp8/tensor``.
 
@@ -92,8 +99,16 @@ def _compressed_tensors(source: str, config: Mapping[str, Any]) -> Format:
         group = weights.get("group_size")
         if isinstance(group, int) and group > 0:
             return parse(f"int4/g{group}")
+    if bits == 8 and kind == "int" and strategy == "channel":
+        symmetric = weights.get("symmetric", True)
+        if symmetric is True:
+            return parse("int8/channel")
+        raise QuantConfigUnsupported(source, f"{where}.symmetric", symmetric,
+                                     "int8 per-channel weights are mapped symmetric only (no zero "
+                                     "points)")
     raise QuantConfigUnsupported(source, where, dict(weights),
-                                 "mapped: 8-bit float (channel, tensor, block) or 4-bit int groups")
+                                 "mapped: 8-bit float (channel, tensor, block), 8-bit int per "
+                                 "channel (symmetric) or 4-bit int groups")
 
 
 def kv_format_of(source: str, scheme: Mapping[str, Any] | None) -> Format | None:

@@ -408,7 +408,7 @@ def infer(kind: OpKind, attrs: dict[str, Any], shapes: Sequence[Shape],
 
 
 def _dequantize(kind: OpKind, attrs: dict[str, Any], x: Shape, dtype: DType) -> tuple[Shape, DType]:
-    from fuel.circuit.format import ROW_LAYOUTS
+    from fuel.circuit.format import ROW_LAYOUTS, row_bytes
 
     layout, cols = attrs["layout"], attrs["cols"]
     if dtype is not DType.U8 or x.rank < 1:
@@ -417,7 +417,8 @@ def _dequantize(kind: OpKind, attrs: dict[str, Any], x: Shape, dtype: DType) -> 
         raise ShapeError(kind.value, f"layout {layout!r} / cols {cols!r} is not a block format")
     elements, block_bytes = ROW_LAYOUTS[layout]
     width = x.dims[-1]
-    if cols % elements or (isinstance(width, int) and width != cols // elements * block_bytes):
+    if cols % elements or (isinstance(width, int) and width != row_bytes(layout, cols)):
         raise ShapeError(kind.value, f"{cols} columns of {layout} need {cols // elements} whole "
-                                     f"blocks of {block_bytes} bytes per row, rows have {width}")
+                                     f"blocks of {block_bytes} bytes per row (rows of "
+                                     f"{row_bytes(layout, cols)} bytes), rows have {width}")
     return Shape(x.dims[:-1] + (cols,)), DType.F32

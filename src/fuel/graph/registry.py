@@ -20,8 +20,9 @@ Layouts the static ops assume (the rules refuse anything else):
   ``select(dim=0, index=i)``. One node, one allocation, so a kernel writes both halves.
 - ``rope(x, cos, sin)`` is rotate-half over the last dim; ``cos``/``sin`` broadcast to ``x``.
 - ``fused_linear(x, w[, b])``: ``w`` is ``[N, K]`` (the checkpoint layout), ``x @ w.T + b``.
-- ``quant_linear(x, w)``: ``w`` is u8 ``[N, row_bytes]`` llama.cpp blocks (``QuantLinear``
-  names the layout); the recipe is ``x @ dequantize(w).T`` in f32.
+- ``quant_linear(x, w)``: ``w`` is u8 ``[N, row_bytes]`` packed rows — llama.cpp blocks, 16-bit
+  elements or per-channel int8 (``QuantLinear`` names the layout:
+  :data:`fuel.circuit.format.ROW_LAYOUTS`); the recipe is ``x @ dequantize(w).T`` in f32.
 - ``moe(h [T, H], router_logits [T, E], gate_up [E, 2I, H], down [E, H, I][, shared_out [T, H],
   shared_gate [T, 1]])``: softmax of the logits in f32, the top ``k`` (renormalized to sum 1 when
   ``normalize``), each token's row repeated per choice, ``expert_matmul`` through the chosen
@@ -142,8 +143,9 @@ class PagedAttn:
 @fast_pickle
 @dataclass(frozen=True, slots=True)
 class QuantLinear:
-    """``x @ dequantize(w).T`` for a weight stored as llama.cpp blocks of ``layout`` with
-    ``cols`` input features (``w`` is u8 ``[N, row_bytes]``, the file's layout)."""
+    """``x @ dequantize(w).T`` for a weight stored as packed rows of ``layout`` (llama.cpp
+    blocks, half-precision elements or ``int8_channel``) with ``cols`` input features (``w`` is
+    u8 ``[N, row_bytes]``: :func:`fuel.circuit.format.row_bytes`)."""
 
     layout: str
     cols: int
@@ -413,14 +415,15 @@ def _rule_linear(p: FusedLinear, shapes, dtypes):
 
 
 def _rule_quant_linear(p: QuantLinear, shapes, dtypes):
-    from fuel.circuit.format import ROW_LAYOUTS
+    from fuel.circuit.format import ROW_LAYOUTS, row_bytes
 
     x, w = shapes
     _need("quant_linear", p.layout in ROW_LAYOUTS, f"layout {p.layout!r} is not a block format")
-    elements, block_bytes = ROW_LAYOUTS[p.layout]
+    elements, _ = ROW_LAYOUTS[p.layout]
+    width = row_bytes(p.layout, p.cols)
     _need("quant_linear", x.rank >= 2 and w.rank == 2 and x.dims[-1] == p.cols
-          and p.cols % elements == 0 and w.dims[1] == p.cols // elements * block_bytes,
-          f"x {x} and packed w {w} need x [..., {p.cols}], w [N, {p.cols // elements * block_bytes}]")
+          and p.cols % elements == 0 and w.dims[1] == width,
+          f"x {x} and packed w {w} need x [..., {p.cols}], w [N, {width}]")
     _need("quant_linear", dtypes[0] is DType.F32 and dtypes[1] is DType.U8,
           f"x f32 and w u8 expected, got {dtypes[0].value}, {dtypes[1].value}")
     return Shape(x.dims[:-1] + (w.dims[0],)), DType.F32

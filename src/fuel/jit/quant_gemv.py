@@ -170,7 +170,10 @@ class QuantGemvRunner:
 def plan_quant(region: QuantRegion):
     """``(source, make_runner)`` for the numba synthesizer, or a reason it declines."""
     if region.layout not in KERNEL_LAYOUTS or region.layout not in _BLOCK_CODE:
-        return (f"no quantized-matmul template for gguf/{region.layout} (numba builds "
+        from fuel.circuit.format import GGUF_BLOCKS
+
+        name = f"gguf/{region.layout}" if region.layout in GGUF_BLOCKS else f"the {region.layout} rows"
+        return (f"no quantized-matmul template for {name} (numba builds "
                 f"{', '.join('gguf/' + layout for layout in KERNEL_LAYOUTS)}); it runs dequantized")
     source = kernel_source(region.layout)
     return source, lambda module: QuantGemvRunner(module, region)

@@ -1,4 +1,4 @@
-"""llama.cpp block formats as tensors: which GGUF types fuel reads, how a packed row is shaped,
+"""Packed-row formats as tensors: which GGUF types fuel reads, how a packed row is shaped,
 the reference dequantizer, and valid random blocks for tests and JIT verification.
 
 Decides:
@@ -12,10 +12,18 @@ Decides:
   kernel, arm 0 of every quantized matmul): it calls the ``gguf`` package's reference
   dequantizer (the one llama.cpp's Python tools use), so fuel never carries its own copy of the
   recipe it is checked against.
+- Per-channel int8 weights (``int8/channel``: a compressed-tensors checkpoint's int8 ``weight``
+  and its ``weight_scale``) are held as the row layout ``int8_channel``
+  (:data:`fuel.circuit.format.INT8_ROWS`): each row its int8 weights, then its f32 scale. Their
+  reference is here (no package carries one): ``w = f32(q) * scale``, one f32 rounding per
+  weight, which is what compressed-tensors' ``dequantize`` computes for an f32 scale.
+  :func:`pack_int8_channel` builds the rows, :func:`quantize_int8_channel` quantizes
+  symmetrically (``scale = absmax / 127`` per row, round to nearest).
 
 Invariants:
-- ``packed_row_bytes(layout, cols) * ... `` equals ``Format.bytes`` for that layout (one table:
-  :data:`fuel.circuit.format.GGUF_BLOCKS`).
+- ``rows * packed_row_bytes(layout, cols)`` equals ``Format.weight_bytes(rows, cols)`` for that
+  layout (one table: :data:`fuel.circuit.format.ROW_LAYOUTS`, one width rule:
+  :func:`fuel.circuit.format.row_bytes`).
 - :func:`random_blocks` produces blocks whose every scale is a finite f16 of realistic size, so
   dequantized values are finite and the kernels' tolerances are meaningful.
 """
@@ -24,7 +32,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fuel.circuit.format import GGUF_BLOCKS, HALF_ROWS, Format, FormatError, gguf_format, parse
+from fuel.circuit.format import (
+    GGUF_BLOCKS, HALF_ROWS, INT8_CHANNEL_LAYOUT, INT8_ROWS, Format, FormatError, gguf_format, parse,
+    row_bytes,
+)
 from fuel.errors import FuelError
 
 PLAIN_GGUF_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -60,20 +71,24 @@ def format_of_gguf_type(type_name: str) -> Format | None:
 
 
 def block_shape(layout: str) -> tuple[int, int]:
-    """``(elements per block, bytes per block)`` of a llama.cpp block layout (or a half layout)."""
+    """``(elements per block, bytes per block)`` of a llama.cpp block layout (or a half layout,
+    or ``int8_channel``: one byte per element, the row's scale its tail)."""
     if layout in HALF_LAYOUTS:
         return HALF_LAYOUTS[layout]
+    if layout in INT8_ROWS:
+        return INT8_ROWS[layout]
     if layout not in GGUF_BLOCKS:
         raise FormatError(f"unknown llama.cpp block format `{layout}`")
     return GGUF_BLOCKS[layout]
 
 
 def packed_row_bytes(layout: str, cols: int) -> int:
-    """Bytes of one packed row of ``cols`` elements (``cols`` must fill whole blocks)."""
-    elements, block_bytes = block_shape(layout)
+    """Bytes of one packed row of ``cols`` elements (``cols`` must fill whole blocks), its tail
+    included (:func:`fuel.circuit.format.row_bytes`)."""
+    elements, _ = block_shape(layout)
     if cols % elements:
         raise FormatError(f"gguf/{layout} rows hold whole blocks of {elements}; {cols} does not")
-    return cols // elements * block_bytes
+    return row_bytes(layout, cols)
 
 
 def _qtype(layout: str):
@@ -93,9 +108,51 @@ def dequantize(packed: Any, layout: str, cols: int):
     if layout in HALF_LAYOUTS:
         half = torch.float16 if layout == "f16" else torch.bfloat16
         return packed.contiguous().view(torch.uint8).view(half).float().reshape(*lead, cols)
+    if layout == INT8_CHANNEL_LAYOUT:
+        q, scale = int8_channel_parts(packed, cols)
+        return (q.float() * scale.unsqueeze(-1)).reshape(*lead, cols)
     rows = packed.reshape(-1, packed.shape[-1]).contiguous().numpy()
     values = quants.dequantize(rows, _qtype(layout))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(*lead, cols)
+
+
+def int8_channel_parts(packed: Any, cols: int):
+    """``(q, scale)`` of ``int8_channel`` rows ``[..., cols + 4]``: the int8 weights ``[R, cols]``
+    (a strided view of the rows, no copy) and the f32 scales ``[R]`` (R = the rows, leading
+    dimensions flattened)."""
+    import torch
+
+    width = row_bytes(INT8_CHANNEL_LAYOUT, cols)
+    if packed.dtype != torch.uint8 or packed.shape[-1] != width:
+        raise FormatError(f"int8_channel rows of {cols} columns are u8 [..., {width}], got "
+                          f"{packed.dtype} {tuple(packed.shape)}")
+    rows = packed.reshape(-1, width)
+    scale = rows[:, cols:].contiguous().view(torch.float32).reshape(-1)
+    return rows[:, :cols].view(torch.int8), scale
+
+
+def pack_int8_channel(q: Any, scale: Any):
+    """``int8_channel`` rows u8 ``[rows, cols + 4]`` of int8 weights ``q [rows, cols]`` and their
+    per-row scales (``[rows]`` or ``[rows, 1]``, any float dtype: widened to f32 exactly)."""
+    import torch
+
+    rows, cols = q.shape
+    out = torch.empty((rows, row_bytes(INT8_CHANNEL_LAYOUT, cols)), dtype=torch.uint8)
+    out[:, :cols] = q.to(torch.int8).view(torch.uint8)
+    out[:, cols:] = scale.reshape(rows, 1).to(torch.float32).contiguous().view(torch.uint8)
+    return out
+
+
+def quantize_int8_channel(values: Any):
+    """``(q, scale)`` of f32 ``[rows, cols]`` values, symmetric per row: ``scale = absmax / 127``
+    (f32), ``q = clamp(round(v / scale), -128, 127)`` int8; an all-zero row gets scale 0 and q 0."""
+    import torch
+
+    values = values.float()
+    scale = values.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(values / safe.unsqueeze(1)), -128, 127).to(torch.int8)
+    return q, scale
 
 
 # Byte offsets of each layout's f16 fields (the scales) inside one block.
@@ -114,13 +171,18 @@ _SCALE_RANGES = {"q8_0": (0.0002, 0.002), "q4_k": (0.0002, 0.001), "q5_k": (0.00
 def random_blocks(layout: str, rows: int, cols: int, generator: Any):
     """A u8 ``[rows, row_bytes]`` tensor of valid blocks: random quants, f16 scales of the size
     real weights have (``_SCALE_RANGES``; ``U(0.002, 0.02)`` for the 4/5-bit formats, offsets of
-    the ``_1`` formats from ``U(-0.1, 0.1)``). ``q8_k`` (an activation format) has no f16 scale and is refused."""
+    the ``_1`` formats from ``U(-0.1, 0.1)``; ``int8_channel``: every int8 value, f32 scales from
+    ``U(0.0002, 0.002)``). ``q8_k`` (an activation format) has no f16 scale and is refused."""
     import torch
 
     elements, block_bytes = block_shape(layout)
     if layout in HALF_LAYOUTS:  # weights of a trained model's size, as 2-byte elements
         values = torch.randn(rows, cols, generator=generator) * 0.05
         return values.to(torch.float16 if layout == "f16" else torch.bfloat16).view(torch.uint8)
+    if layout == INT8_CHANNEL_LAYOUT:  # every int8 (-128 too), scales giving |w| up to ~0.25
+        q = torch.randint(-128, 128, (rows, cols), generator=generator, dtype=torch.int8)
+        scale = torch.empty(rows, dtype=torch.float32).uniform_(0.0002, 0.002, generator=generator)
+        return pack_int8_channel(q, scale)
     if layout not in _F16_FIELDS:
         raise FormatError(f"gguf/{layout} is not a weight format with f16 scales")
     blocks = rows * (cols // elements)
@@ -146,5 +208,6 @@ def quantize_reference(values: Any, layout: str):
 
 
 __all__ = ["GGUF_TYPES", "HALF_LAYOUTS", "KERNEL_LAYOUTS", "PLAIN_GGUF_TYPES", "UnsupportedTensorType",
-           "block_shape", "dequantize", "format_of_gguf_type", "gguf_format", "packed_row_bytes",
-           "quantize_reference", "random_blocks"]
+           "block_shape", "dequantize", "format_of_gguf_type", "gguf_format", "int8_channel_parts",
+           "pack_int8_channel", "packed_row_bytes", "quantize_int8_channel", "quantize_reference",
+           "random_blocks"]

@@ -799,7 +799,8 @@ class _Lowerer:
         return self._weights[name]
 
     def layout_of(self, name: str) -> str:
-        """The llama.cpp block layout of a packed weight (``q4_1``), empty for a plain one."""
+        """The packed-row layout of a packed weight (``q4_1``, ``int8_channel``), empty for a
+        plain one."""
         return self.layouts.get(name, "")
 
     def quant_linear(self, x: NodeId, name: str) -> NodeId:
@@ -904,12 +905,10 @@ def lower(plan: FusionPlan, circuit: Circuit, weights: Mapping[str, Any], shape:
 
 def _row_layout(fmt: str | None) -> str | None:
     """The packed-row layout of a weight format name (``gguf/q4_1`` -> ``q4_1``, a half-precision
-    matrix ``bf16`` -> ``bf16``), None for a plain tensor."""
-    from fuel.circuit.format import HALF_ROWS
+    matrix ``bf16`` -> ``bf16``, ``int8/channel`` -> ``int8_channel``), None for a plain tensor."""
+    from fuel.circuit.format import row_layout
 
-    if fmt and fmt.startswith("gguf/"):
-        return fmt.removeprefix("gguf/")
-    return fmt if fmt in HALF_ROWS else None
+    return row_layout(fmt)
 
 
 def packed_layouts(weights: Mapping[str, Any]) -> dict[str, str]:
