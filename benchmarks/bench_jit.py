@@ -12,7 +12,8 @@ verifies the kernel against the decomposition and profiles both on the same inpu
 run (median of repeated samples, ``fuel.cost.profile_kernel``). The speedup is decomposed /
 kernel; the target is >= 2x.
 
-Then, per llama.cpp block layout with a numba template (``fuel.jit.quant_gemv``), the
+Then, per llama.cpp block layout with a numba template (``fuel.jit.quant_gemv``), and for
+per-channel int8 rows (``int8_channel``: a compressed-tensors int8 checkpoint's weights), the
 quantized matmul (``quant_linear``) at SmolLM2's decode shapes (one activation row; q/o 576x576,
 gate/up 1536x576, down 576x1536, and for q8_0 the tied LM head 49152x576): the adopted kernel
 vs the dequantize-then-matmul region it replaces (arm 0), with the max error, plus the f32
@@ -100,10 +101,10 @@ def quant_main(repeats: int) -> int:
     from fuel.jit.native_synth import CpuSynthesizer
 
     synth = CpuSynthesizer()  # what a run adopts: the native kernel, numba where it has none
-    print(f"\n{'layout':<7} {'weight':<11} {'kernel':>10} {'decomposed':>11} {'speedup':>8} "
+    print(f"\n{'layout':<12} {'weight':<11} {'kernel':>10} {'decomposed':>11} {'speedup':>8} "
           f"{'f32 mm':>9}  max error / verdict")
     failed = 0
-    for layout in KERNEL_LAYOUTS:
+    for layout in (*KERNEL_LAYOUTS, "int8_channel"):
         shapes = QUANT_SHAPES + (((49152, 576),) if layout == "q8_0" else ())
         for features, cols in shapes:
             g = Graph()
@@ -121,12 +122,12 @@ def quant_main(repeats: int) -> int:
             label = f"{features}x{cols}"
             if record.kernel_ns is None:
                 failed += 1
-                print(f"{layout:<7} {label:<11} {record.outcome.value}: {record.reason}")
+                print(f"{layout:<12} {label:<11} {record.outcome.value}: {record.reason}")
                 continue
             failed += not record.adopted
             bound = "" if record.error_bound_max is None else \
                 f" (bound {record.error_bound_max:.1e}: {record.kernel_source})"
-            print(f"{layout:<7} {label:<11} {record.kernel_ns / 1e3:>8.1f}us "
+            print(f"{layout:<12} {label:<11} {record.kernel_ns / 1e3:>8.1f}us "
                   f"{record.decomposed_ns / 1e3:>9.1f}us {record.speedup:>7.1f}x "
                   f"{f32_ns / 1e3:>7.1f}us  {record.max_abs_error:.1e}{bound} "
                   f"({record.outcome.value})")

@@ -25,7 +25,7 @@ from fuel.kernels import RECIPE_TOLERANCE, native
 from fuel.kernels.quant_blocks import dequantize, packed_row_bytes, random_blocks
 
 TOLERANCE = RECIPE_TOLERANCE[DType.F32]
-LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16")
+LAYOUTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16", "int8_channel")
 K_LAYOUTS = ("q4_k", "q5_k", "q6_k")
 """The K-quants: 256-weight super-blocks, so rows of 256 and 512 columns."""
 
@@ -467,7 +467,7 @@ def test_half_rows_round_as_torch_rounds_them_and_land_in_a_half_cache(lib, half
 
 
 @pytest.mark.parametrize("layout", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k",
-                                    "q6_k", "f16", "bf16"])
+                                    "q6_k", "f16", "bf16", "int8_channel"])
 def test_native_dequantize_is_bit_equal_to_the_gguf_reference(lib, layout):
     """The DEQUANTIZE primitive's CPU kernel runs the native dequantizer: it must give exactly
     the reference's values (arm 0, the oracle, is computed with it), leading dims kept."""
@@ -541,3 +541,27 @@ def test_decode_attention_over_a_long_context_matches_f64_softmax_attention(lib,
     q[0, 3, 0, 5] = float("nan")
     poisoned = lib.paged_attn(q, k_cache, v_cache, table, lens, dim ** -0.5, 0.0)
     assert torch.isnan(poisoned[0, 3]).all() and not torch.isnan(poisoned[0, 4]).any()
+
+
+@pytest.mark.parametrize("cols", [33, 130, 576])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_int8_channel_rows_at_odd_widths_equal_the_dequantized_reference(lib, rows, cols):
+    """Per-channel int8 rows (``cols`` int8 weights, then the row's f32 scale): widths that leave
+    a scalar tail after the 16-wide loop (33, 130), output counts that leave a partial 4-row
+    group (37), the streamed path (1, 3 rows) and the dequantized tiles (6 rows)."""
+    generator = torch.Generator().manual_seed(rows * cols)
+    w = random_blocks("int8_channel", 37, cols, generator)
+    assert w.shape == (37, cols + 4)
+    x = torch.randn(rows, cols, generator=generator)
+    want = x @ dequantize(w, "int8_channel", cols).T
+    check = verify(lib.matmul("int8_channel", x, w, cols), want, TOLERANCE)
+    assert check.ok, check.report
+    from fuel.kernels.quant_blocks import int8_channel_parts, pack_int8_channel
+
+    q, scale = int8_channel_parts(w, cols)  # the scale is each row's tail: doubling one doubles it
+    scale = scale.clone()
+    scale[5] *= 2
+    scaled = pack_int8_channel(q, scale)
+    out = lib.matmul("int8_channel", x, scaled, cols)
+    assert torch.allclose(out[:, 5], 2 * want[:, 5], rtol=1e-4, atol=1e-6)
+    assert torch.equal(out[:, 4], lib.matmul("int8_channel", x, w, cols)[:, 4])

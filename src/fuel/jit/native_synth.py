@@ -325,7 +325,8 @@ class CpuSynthesizer:
         if quant is None or quant.layout not in native.QUANT_LAYOUTS:
             return None
         q8 = quant.layout in native.Q8_FORMATS and self.q8_activations
-        source = f"fuel.kernels.native fuel_matmul(gguf/{quant.layout}, cols={quant.cols})"
+        named = quant.layout if quant.layout in ("f16", "bf16", "int8_channel") else f"gguf/{quant.layout}"
+        source = f"fuel.kernels.native fuel_matmul({named}, cols={quant.cols})"
         if q8:
             source += ("\n# decode rows: fuel_matmul_q8, activations rounded to 8 bits per "
                        "32-element block (error bound: fuel.jit.native_synth.q8_error_bound)")

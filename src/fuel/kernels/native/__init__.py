@@ -57,16 +57,18 @@ SOURCES = (SOURCE, Path(__file__).with_name("rows.c"), Path(__file__).with_name(
 (rows.c); the step list that runs a compiled program in one call (steps.c)."""
 
 FORMAT_CODES: dict[str, int] = {
-    "f32": 0, "f16": 1, "bf16": 2,
+    "f32": 0, "f16": 1, "bf16": 2, "int8_channel": 3,
     "q4_0": 10, "q4_1": 11, "q5_0": 12, "q5_1": 13, "q8_0": 14,
     "q4_k": 15, "q5_k": 16, "q6_k": 17,
 }
-"""The weight formats the library multiplies (GGUF block layouts by their llama.cpp names)."""
+"""The weight formats the library multiplies (GGUF block layouts by their llama.cpp names;
+``int8_channel``: per-channel int8 rows, :data:`fuel.circuit.format.INT8_ROWS`)."""
 
 QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
-                           "f16", "bf16"})
+                           "f16", "bf16", "int8_channel"})
 """The packed layouts a ``quant_linear`` region may carry that the library multiplies (GGUF
-blocks, and 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``)."""
+blocks, 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``, and
+per-channel int8 rows: ``int8_channel``)."""
 
 KV_CODES: dict[str, int] = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}
 """KV cache element dtypes the library reads and writes (a torch dtype's ``str``) and their

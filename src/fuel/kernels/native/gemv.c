@@ -6,6 +6,8 @@
 
    Weights (rows of N output features, K inputs each):
    - dense: f32, f16 (IEEE half) or bf16, row-major [N, K] (torch's nn.Linear layout);
+   - per-channel int8 (fuel's int8_channel rows): each row its K int8 weights, then its f32
+     scale, w = q * scale (a compressed-tensors int8 checkpoint's weight and weight_scale);
    - GGUF blocks of 32 weights, each row a run of K/32 blocks (llama.cpp's layout, read as is):
        q4_0: f16 d, 16 bytes of nibbles          w = d * (q - 8)
        q4_1: f16 d, f16 m, 16 bytes of nibbles   w = d * q + m
@@ -75,7 +77,7 @@
         }                                                                                 \
     } while (0)
 
-enum { F32 = 0, F16 = 1, BF16 = 2, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14,
+enum { F32 = 0, F16 = 1, BF16 = 2, I8C = 3, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14,
        Q4_K = 15, Q5_K = 16, Q6_K = 17 };
 
 static inline float half_to_float(uint16_t h) {
@@ -102,6 +104,19 @@ static inline float bf16_to_float(uint16_t h) {
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* Dense rows (one element a weight, no blocks): f32, f16, bf16, and I8C, per-channel int8: a
+   row's K int8 weights, then its f32 scale (w = q * scale). I8C rows are multiplied as integers
+   widened to f32 and the row's sum scaled once (sum(q x) * scale: within the recipe's f32
+   reassociation bound, as a block format's d applied to its block sum is). */
+INLINE int dense_width(int fmt) { return fmt == F32 ? 4 : fmt == I8C ? 1 : 2; }
+INLINE int dense_format(int fmt) { return fmt == F32 || fmt == F16 || fmt == BF16 || fmt == I8C; }
+static inline float row_scale(const uint8_t *row, int64_t K) { float s; memcpy(&s, row + K, 4); return s; }
+INLINE float dense_weight(int fmt, const uint8_t *p, int64_t j) {
+    if (fmt == F32) { float v; memcpy(&v, p + 4 * j, 4); return v; }
+    if (fmt == I8C) return (float)((const int8_t *)p)[j];
+    return fmt == F16 ? half_to_float(rd16(p + 2 * j)) : bf16_to_float(rd16(p + 2 * j));
+}
 
 INLINE int block_bytes(int fmt) {
     switch (fmt) {
@@ -399,6 +414,11 @@ INLINE float dot_kquant(int fmt, const uint8_t *row, const float *x, const float
 /* Dequantize one packed row of K weights to f32. */
 INLINE void dequant_row(int fmt, const uint8_t *row, int64_t K, float *dst) {
     if (fmt == F32) { memcpy(dst, row, (size_t)K * 4); return; }
+    if (fmt == I8C) {  /* f32(q) * scale, one rounding a weight: the reference's values */
+        const float scale = row_scale(row, K);
+        for (int64_t k = 0; k < K; k++) dst[k] = (float)((const int8_t *)row)[k] * scale;
+        return;
+    }
     if (fmt == F16 || fmt == BF16) {  /* exact widenings, a vector at a time (F16C / a shift) */
         int64_t k = 0;
 #ifdef __AVX512F__
@@ -530,6 +550,7 @@ INLINE __m256 load8(int fmt, const uint8_t *p, int64_t k) {
 #endif
     if (fmt == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
             _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k))), 16));
+    if (fmt == I8C) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + k))));
     float t[8];
     for (int j = 0; j < 8; j++) t[j] = half_to_float(rd16(p + 2 * (k + j)));
     return _mm256_loadu_ps(t);
@@ -558,7 +579,7 @@ INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
     for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
     int64_t k = 0;
 #ifdef __AVX512F__
-    if (rows >= 4 && fmt != F32 && K >= 32) {
+    if (rows >= 4 && (fmt == F16 || fmt == BF16) && K >= 32) {
         __m512 c[4], e[4];
         for (int r = 0; r < 4; r++) c[r] = e[r] = _mm512_setzero_ps();
         const uint8_t *p0 = w, *p1 = w + row_bytes, *p2 = w + 2 * row_bytes, *p3 = w + 3 * row_bytes;
@@ -584,9 +605,9 @@ INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
 #endif
     if (rows >= 4) {
         const uint8_t *p0 = w, *p1 = w + row_bytes, *p2 = w + 2 * row_bytes, *p3 = w + 3 * row_bytes;
-        const int64_t ahead = PREFETCH_ROWS * row_bytes, width = fmt == F32 ? 4 : 2;
+        const int64_t ahead = PREFETCH_ROWS * row_bytes, width = dense_width(fmt);
         for (; k + 16 <= K; k += 16) {
-            if ((k & 31) == 0 || width == 4) {  /* one line a row: 16 f32 or 32 half weights */
+            if (((k * width) & 63) == 0) {  /* one line a row: 16 f32, 32 half or 64 int8 weights */
                 _mm_prefetch((const char *)p0 + ahead + width * k, _MM_HINT_T0);
                 _mm_prefetch((const char *)p1 + ahead + width * k, _MM_HINT_T0);
                 _mm_prefetch((const char *)p2 + ahead + width * k, _MM_HINT_T0);
@@ -607,20 +628,14 @@ INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
     for (int r = 0; r < 4 && r < rows; r++) {
         float s = hsum(a[r]);
         const uint8_t *p = w + r * row_bytes;
-        for (int64_t j = k; j < K; j++) {
-            float wv = fmt == F32 ? ((const float *)p)[j] : fmt == F16 ? half_to_float(rd16(p + 2 * j)) : bf16_to_float(rd16(p + 2 * j));
-            s += wv * x[j];
-        }
-        out[r] = s;
+        for (int64_t j = k; j < K; j++) s += dense_weight(fmt, p, j) * x[j];
+        out[r] = fmt == I8C ? s * row_scale(p, K) : s;
     }
 #else
     for (int r = 0; r < rows && r < 4; r++) {
         const uint8_t *p = w + r * row_bytes; float s = 0.0f;
-        for (int64_t j = 0; j < K; j++) {
-            float wv = fmt == F32 ? ((const float *)p)[j] : fmt == F16 ? half_to_float(rd16(p + 2 * j)) : bf16_to_float(rd16(p + 2 * j));
-            s += wv * x[j];
-        }
-        out[r] = s;
+        for (int64_t j = 0; j < K; j++) s += dense_weight(fmt, p, j) * x[j];
+        out[r] = fmt == I8C ? s * row_scale(p, K) : s;
     }
 #endif
 }
@@ -665,7 +680,7 @@ int fuel_matmul_prepare(int fmt, const float *x, int64_t M, int64_t K, float **x
     const int quant = block_bytes(fmt) > 0;
     *xs_out = NULL;
     if (quant && K % block_elems(fmt)) return -1;
-    if (!quant && fmt != F32 && fmt != F16 && fmt != BF16) return -1;
+    if (!quant && !dense_format(fmt)) return -1;
 #ifdef __AVX2__
     const int sums = quant && block_elems(fmt) == 32;  /* the K-quants decode weights instead */
 #else
@@ -693,6 +708,7 @@ void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, con
     case F32: tile_rows(F32, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case F16: tile_rows(F16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case BF16: tile_rows(BF16, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case I8C: tile_rows(I8C, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case Q4_0: tile_rows(Q4_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case Q4_1: tile_rows(Q4_1, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case Q5_0: tile_rows(Q5_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
@@ -1214,12 +1230,12 @@ int fuel_pool_threads(int threads) {
 /* dst[N, K] f32 = the dequantized rows of W (for large-M products handed to a GEMM library). */
 int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K, int64_t row_bytes,
                     int threads) {
-    if (block_bytes(fmt) > 0 ? K % block_elems(fmt) != 0 : (fmt != F32 && fmt != F16 && fmt != BF16)) return -1;
+    if (block_bytes(fmt) > 0 ? K % block_elems(fmt) != 0 : !dense_format(fmt)) return -1;
     const int parallel = threads > 1 && N * K >= 65536;
     switch (fmt) {
 #define DEQ(F) case F: { _Pragma("omp parallel for schedule(static) num_threads(threads) if (parallel)") \
         for (int64_t n = 0; n < N; n++) dequant_row(F, w + n * row_bytes, K, dst + n * K); break; }
-    DEQ(F32) DEQ(F16) DEQ(BF16) DEQ(Q4_0) DEQ(Q4_1) DEQ(Q5_0) DEQ(Q5_1) DEQ(Q8_0)
+    DEQ(F32) DEQ(F16) DEQ(BF16) DEQ(I8C) DEQ(Q4_0) DEQ(Q4_1) DEQ(Q5_0) DEQ(Q5_1) DEQ(Q8_0)
     DEQ(Q4_K) DEQ(Q5_K) DEQ(Q6_K)
 #undef DEQ
     }
