@@ -565,3 +565,27 @@ def test_int8_channel_rows_at_odd_widths_equal_the_dequantized_reference(lib, ro
     out = lib.matmul("int8_channel", x, scaled, cols)
     assert torch.allclose(out[:, 5], 2 * want[:, 5], rtol=1e-4, atol=1e-6)
     assert torch.equal(out[:, 4], lib.matmul("int8_channel", x, w, cols)[:, 4])
+
+
+def test_native_silu_mul_equals_torch_within_the_f32_tolerance(lib):
+    """The step list's silu_mul (exponentials eight at a time, a scalar tail) against torch's
+    ``silu(gate) * up``: every width class (a multiple of 8, a tail), gates far past exp's
+    range both ways, zeros, and a NaN that must stay NaN."""
+    import ctypes
+
+    generator = torch.Generator().manual_seed(3)
+    for n in (1536, 1541, 7):
+        gate = torch.randn(n, generator=generator) * 6
+        gate[:4] = torch.tensor([-200.0, -88.0, 0.0, 95.0])[: min(4, n)]
+        up = torch.randn(n, generator=generator)
+        out = torch.empty(n)
+        lib._lib.fuel_silu_mul(ctypes.c_void_p(gate.data_ptr()), ctypes.c_void_p(up.data_ptr()),
+                               ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(n))
+        want = torch.nn.functional.silu(gate) * up
+        check = verify(out, want, TOLERANCE)
+        assert check.ok, f"{n}: {check.report}"
+    gate = torch.tensor([float("nan")] + [1.0] * 8)
+    out, up = torch.empty(9), torch.ones(9)
+    lib._lib.fuel_silu_mul(ctypes.c_void_p(gate.data_ptr()), ctypes.c_void_p(up.data_ptr()),
+                           ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(9))
+    assert torch.isnan(out[0]) and torch.isfinite(out[1:]).all()
