@@ -252,3 +252,31 @@ def test_the_attention_probe_times_the_prompt_chunk_attention_at_each_row_count(
     heads, kv_heads, head_dim = probe._ATTENTION_LAYOUT
     for rows in probe._GEMM_ROWS:  # as many rows as positions: a prompt's first chunk
         assert ((1, heads, rows, head_dim), kv_heads, rows) in calls
+
+
+def test_the_per_call_overhead_is_the_calls_own_time_whatever_the_stream_does(monkeypatch):
+    # Why: it was the difference of two passes' times (with and without the calls) divided by
+    # the calls; a stream whose time the machine's load moves by milliseconds swamped the
+    # microseconds (a shared host once probed 31 us a call where the calls took ~2). Here the
+    # stream's time jumps at random by up to 20 ms a slice and each call busy-waits 40 us: the
+    # overhead must read ~40 us.
+    import random
+    import time
+    import types
+
+    import torch
+
+    def busy(ns):
+        end = time.perf_counter_ns() + ns
+        while time.perf_counter_ns() < end:
+            pass
+
+    rng = random.Random(5)
+    slices = [torch.zeros(4, 4) for _ in range(6)]
+    monkeypatch.setattr(probe, "_stream_slices", lambda torch: (slices, 0))
+    fake = types.SimpleNamespace(randn=torch.randn, ones=torch.ones, empty=torch.empty,
+                                 add=lambda a, b, out: busy(40_000))
+    bandwidth, per_call, count, _ = probe._stream_rates(
+        fake, lambda x, w: busy(rng.randrange(0, 20_000_000)))
+    assert count == 6 and bandwidth > 0
+    assert 38_000 <= per_call <= 60_000, per_call

@@ -52,11 +52,11 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
   caches stop holding a stream before their nominal size. It is compared with the DRAM copy
   rate (like with like). No L2 size from the OS, an in-cache rate that is not faster than DRAM,
   or a slope that does not resolve: no tier, and the source line says which.
-- Per-call overhead: what a one-element ``torch.add`` adds to a pass over the streamed weights
-  when sixteen of them follow each slice — the fixed host cost every CPU kernel call pays
-  (Python dispatch, the framework's op launch) *in a step*, where each call finds the caches
-  just flushed by a weight stream (measured here: ~1 us back to back, several times that
-  after a stream). It is both the launch overhead and the host cost of a view
+- Per-call overhead: what a one-element ``torch.add`` costs when sixteen of them follow each
+  streamed slice, clocked around the calls themselves (the median over the slices of three
+  passes) — the fixed host cost every CPU kernel call pays (Python dispatch, the framework's op
+  launch) *in a step*, where each call finds the caches just flushed by a weight stream
+  (measured here: ~1 us back to back, a little more after a stream). It is both the launch overhead and the host cost of a view
   (``host_call_ns``): on the CPU backend both are one torch call.
 - Memory size: physical RAM.
 
@@ -82,7 +82,7 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 8  # 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 9  # 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
@@ -233,8 +233,11 @@ def _stream_slices(torch) -> tuple[list, int]:
 
 
 def _stream_rates(torch, linear) -> tuple[float, float, int, int]:
-    """(bytes/s the f32 linear kernel reads streaming the slices, ns one tiny call adds after a
-    stream, slices, LLC bytes): see the module docstring."""
+    """(bytes/s the f32 linear kernel reads streaming the slices, ns one tiny call costs right
+    after a stream, slices, LLC bytes): see the module docstring."""
+    import statistics
+    import time
+
     slices, llc = _stream_slices(torch)
     rows, cols = _GEMV_SHAPE
     x = torch.randn(1, cols)
@@ -246,19 +249,23 @@ def _stream_rates(torch, linear) -> tuple[float, float, int, int]:
         for w in slices:
             linear(x, w)
 
-    def stream_with_calls() -> None:
+    # A pass reads every slice from memory (the set is twice the cache, read in one order), so
+    # no warm-up pass is needed; three keep a cold start's probe short.
+    plain = profile_kernel(stream, warmup=0, repeats=3, min_sample_ns=0)
+    bandwidth = len(slices) * rows * cols * 4 / (plain.median_ns * 1e-9)
+    # The calls are clocked themselves, right after each slice's stream: the median over every
+    # slice of three passes. (Taking it as the difference of two passes' times, with and without
+    # the calls, divided a few microseconds out of tens of milliseconds that the machine's load
+    # moves by more: one probe on a shared host read 31 us a call where the calls take ~2.)
+    per_call = []
+    for _ in range(3):
         for w in slices:
             linear(x, w)
+            started = time.perf_counter_ns()
             for _ in range(_CALLS_PER_SLICE):
                 torch.add(one_a, one_b, out=one_out)
-
-    # A pass reads every slice from memory (the set is twice the cache, read in one order), so
-    # no warm-up pass is needed; three of each keep a cold start's probe short.
-    plain = profile_kernel(stream, warmup=0, repeats=3, min_sample_ns=0)
-    calls = profile_kernel(stream_with_calls, warmup=0, repeats=3, min_sample_ns=0)
-    bandwidth = len(slices) * rows * cols * 4 / (plain.median_ns * 1e-9)
-    per_call = max(0.0, (calls.median_ns - plain.median_ns) / (len(slices) * _CALLS_PER_SLICE))
-    return bandwidth, per_call, len(slices), llc
+            per_call.append((time.perf_counter_ns() - started) / _CALLS_PER_SLICE)
+    return bandwidth, statistics.median(per_call), len(slices), llc
 
 
 _SIZED_STREAMS = (256, 1024, 4096)
