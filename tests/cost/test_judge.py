@@ -46,3 +46,26 @@ def test_a_corrupt_store_is_reported_and_never_used(tmp_path):
     oracle = JudgeOracle.load(path)
     assert isinstance(oracle.problem, StoreCorruptError)
     assert oracle.measured_latency_ns("softmax", "f32", "e12", "cpu", "torch") is None
+
+
+def test_a_changed_kernel_source_in_c_or_python_changes_the_library_versions(tmp_path):
+    # Why: a Judge cell stands only for the code it measured. fuel's own kernels (the native
+    # C library, the torch bindings and weight conversions, the synthesizers' runners) are keyed
+    # by their sources, so a changed kernel is measured again; other code is not a kernel.
+    from fuel.cost.fingerprint import kernel_sources_digest
+
+    def tree(**files):
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        for name, text in {"kernels/table.py": "a", "kernels/native/gemv.c": "b",
+                           "jit/adopt.py": "c", "cli/app.py": "d", **files}.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+        return kernel_sources_digest(str(root))
+
+    base = tree()
+    assert tree() == base
+    assert tree(**{"kernels/native/gemv.c": "b2"}) != base
+    assert tree(**{"jit/adopt.py": "c2"}) != base
+    assert tree(**{"kernels/int8pack.py": "new"}) != base
+    assert tree(**{"cli/app.py": "d2"}) == base
+    assert "fuel-kernels=" in library_versions()

@@ -2,7 +2,8 @@
 
 Decided here: a measurement is only ever served back on the same hardware (CPU model, logical
 core count, architecture; for CUDA also the GPU name and driver) running the same kernel
-libraries (torch, numpy versions). Both are plain strings so they key a SQLite row and survive a
+libraries (torch, numpy versions) and the same kernels of fuel's own (the digest of their
+sources, C and Python: :func:`kernel_sources_digest`). Both are plain strings so they key a SQLite row and survive a
 JSON export. This module reads the machine (an edge); nothing in the planning core calls it.
 
 Reading versions uses package metadata, never an import, so ``fuel judge show`` stays fast.
@@ -33,28 +34,39 @@ def cpu_model() -> str:
 
 @cache
 def library_versions() -> str:
-    """``torch=2.13.0;numpy=2.1.0;fuel-native=<digest>`` (a missing library is spelled
-    ``name=absent``; fuel's native kernels by their sources' digest)."""
+    """``torch=2.13.0;numpy=2.1.0;fuel-kernels=<digest>`` (a missing library is spelled
+    ``name=absent``; fuel's own kernels by their sources' digest)."""
     parts = []
     for name in KERNEL_LIBRARIES:
         try:
             parts.append(f"{name}={metadata.version(name)}")
         except metadata.PackageNotFoundError:
             parts.append(f"{name}=absent")
-    parts.append(f"fuel-native={_native_sources_digest()}")
+    parts.append(f"fuel-kernels={kernel_sources_digest()}")
     return ";".join(parts)
 
 
-def _native_sources_digest() -> str:
-    """The first 12 hex of SHA-256 over fuel's native C kernels (``fuel/kernels/native/*.c``):
-    a measurement of one of them stands only for the code that was measured, so a changed
-    kernel is measured again (fuel's own library, versioned by its sources)."""
+KERNEL_SOURCES = (("kernels", "**/*.py"), ("kernels", "native/*.c"), ("jit", "*.py"))
+"""The sources of the kernels fuel itself contributes to a measurement, as (folder under the
+package, glob): the torch bindings and weight conversions (``fuel/kernels``), the native C
+library, and the synthesizers and the runners of what they answer (``fuel/jit``)."""
+
+
+@cache
+def kernel_sources_digest(root: str | None = None) -> str:
+    """The first 12 hex of SHA-256 over fuel's kernel sources (:data:`KERNEL_SOURCES`, under the
+    package folder, or ``root``): a measurement stands only for the code that was measured, so
+    a changed kernel, in C or in Python, is measured again (fuel's own library, versioned by its
+    sources; torch and numpy by their versions)."""
     import hashlib
     from pathlib import Path
 
+    base = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    paths = sorted({path for folder, pattern in KERNEL_SOURCES
+                    for path in (base / folder).glob(pattern) if "__pycache__" not in path.parts})
     digest = hashlib.sha256()
-    for path in sorted((Path(__file__).resolve().parent.parent / "kernels" / "native").glob("*.c")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in paths:
+        digest.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
 
