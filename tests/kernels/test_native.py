@@ -518,7 +518,7 @@ def test_the_argmax_kernel_answers_like_torch_with_and_without_keepdim(lib, keep
         assert got.shape == want.shape and got.tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("context", [7, 300, 2000])
+@pytest.mark.parametrize("context", [7, 100, 300, 2000])
 def test_decode_attention_over_a_long_context_matches_f64_softmax_attention(lib, context):
     # Why: the softmax's exponentials run eight at a time (a polynomial exp, ~1 ulp) and long
     # contexts share their units over the pool; both must still give attention as f64 does,
@@ -538,6 +538,13 @@ def test_decode_attention_over_a_long_context_matches_f64_softmax_attention(lib,
         q.double(), keys.repeat_interleave(group, 0)[None], values.repeat_interleave(group, 0)[None],
         scale=dim ** -0.5)
     assert float((out.double() - reference).abs().max()) < 1e-5
+    threads = torch.get_num_threads()
+    try:  # units shared over the pool (100 positions and up) compute exactly as one thread does
+        torch.set_num_threads(1)
+        alone = lib.paged_attn(q, k_cache, v_cache, table, lens, dim ** -0.5, 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, alone)
     q[0, 3, 0, 5] = float("nan")
     poisoned = lib.paged_attn(q, k_cache, v_cache, table, lens, dim ** -0.5, 0.0)
     assert torch.isnan(poisoned[0, 3]).all() and not torch.isnan(poisoned[0, 4]).any()

@@ -1446,7 +1446,10 @@ static inline void prefetch_row(const void *cache, int64_t row, int64_t row_byte
 #endif
 }
 
-#define ATTN_PARALLEL_WORK (1 << 18)  /* positions x query heads x head dim: ~0.25 M MACs */
+#define ATTN_PARALLEL_WORK (1 << 15)  /* positions read x query heads x head dim: 32 Ki MACs.
+   In a step the pool's other thread spins idle through the serial epilogue, so a region costs
+   a microsecond or two, and the rows come from memory: SmolLM2's decode row at ~100 positions
+   (three units) went 19-20 -> 14-16 us a call in the step. */
 
 int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void *table,
                     const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
@@ -1473,14 +1476,19 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
         }
     }
     /* One unit is a (sequence, kv head, query row): its group's scores, softmax and values.
-       Units are shared out over torch's pool when there is enough work (a long context, many
-       heads: Llama-3.1-8B at 2048 positions took 4.7 ms serial); a SmolLM2 decode row at a
-       short context stays serial (a parallel region costs more than it saves). Each unit is
+       Units are shared out over torch's pool when there is enough work (the positions the
+       queries read, not the table's capacity: Llama-3.1-8B at 2048 positions took 4.7 ms
+       serial; see ATTN_PARALLEL_WORK); a decode row of a few dozen positions stays serial. Each unit is
        computed exactly as serially, so the result does not depend on the threads. */
     extern int omp_get_max_threads(void);
     extern int omp_get_thread_num(void);
     const int64_t units = B * Hkv * L;
-    const int parallel = units > 1 && capacity * Hq * D * B * L >= ATTN_PARALLEL_WORK;
+    int64_t seen_total = 0;  /* the positions the queries will read: the work, not the capacity */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t seen = idx_at(lens, b, index_bytes);
+        seen_total += seen > capacity ? capacity : seen;
+    }
+    const int parallel = units > 1 && seen_total * Hq * D * L >= ATTN_PARALLEL_WORK;
     const int teams = parallel ? omp_get_max_threads() : 1;
     const size_t per = (size_t)(capacity * group + 1) + (size_t)(group * D + 1) + (size_t)(D + 1);
     float *scratch = (float *)malloc(sizeof(float) * per * (size_t)(teams > 0 ? teams : 1));
