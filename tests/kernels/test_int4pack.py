@@ -6,22 +6,17 @@ those layouts only, and that a weight is converted once and not kept past its ke
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 import torch
 
 from fuel.graph.dtype import BackendId, DType
-from fuel.graph.ir import Graph
-from fuel.graph.registry import FusedOpParams, FusedOps
+from fuel.graph.registry import FusedOps
 from fuel.jit.adopt import verify
 from fuel.kernels import RECIPE_TOLERANCE, cpu_table, required_caps
-from fuel.kernels.int4pack import (
-    GROUP, INT4_WEIGHTS, KERNEL_SOURCE, LAYOUTS, Int4Packed, nibbles_scales_zeros,
-    quant_linear_int4pack,
-)
+from fuel.kernels.int4pack import GROUP, LAYOUTS, Int4Packed, nibbles_scales_zeros
 from fuel.kernels.quant_blocks import dequantize, packed_row_bytes, quantize_reference, random_blocks
+from tests.kernels.test_weight_only import quant_node
 
 TOLERANCE = RECIPE_TOLERANCE[DType.F32]
 COLS = {"q4_0": 512, "q4_1": 512, "q4_k": 512}
@@ -170,68 +165,8 @@ def test_shipped_weights_requantized_to_q4_0_and_q4_k_map_exactly(shipped, layou
     assert torch.equal(_kernel_weights(held, 24), reference[:, ::24])
 
 
-def _quant_node(layout: str, rows: int = 48, cols: int = 256):
-    graph = Graph()
-    x = graph.input("x", (2, cols), DType.F32)
-    w = graph.input("w", (rows, packed_row_bytes(layout, cols)), DType.U8)
-    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, cols), x, w)
-    return graph, node
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_cpu_table_binds_int4pack_as_a_variant_arm_for_the_4_bit_layouts(layout):
-    table = cpu_table()
-    graph, node = _quant_node(layout)
-    key = (FusedOps.QUANT_LINEAR, (DType.F32, DType.U8, DType.F32), BackendId.CPU,
-           required_caps(graph.node(node)))
-    entry = table.find(*key)
-    assert entry is not None and entry.variant_arm and entry.kernel_source == KERNEL_SOURCE
-    assert table.find_default(*key) is None, "never the node's own kernel"
-
-
 @pytest.mark.parametrize("layout", ["q8_0", "q5_0", "q5_1", "q5_k", "q6_k", "bf16"])
 def test_no_kernel_serves_a_quant_linear_over_another_layout(layout):
-    graph, node = _quant_node(layout)
+    graph, node = quant_node(layout)
     assert cpu_table().find(FusedOps.QUANT_LINEAR, (DType.F32, DType.U8, DType.F32),
                             BackendId.CPU, required_caps(graph.node(node))) is None
-
-
-def test_the_executor_runs_the_variant_where_a_node_routes_to_it():
-    from fuel.graph import lower
-    from fuel.runtime import compile_program
-
-    graph, node = _quant_node("q4_1", rows=40)
-    generator = torch.Generator().manual_seed(5)
-    feeds = {"x": torch.randn(2, 256, generator=generator),
-             "w": random_blocks("q4_1", 40, 256, generator)}
-    got = compile_program(graph, lower(graph, [node]), cpu_table()).run(feeds)[node]
-    check = verify(got, feeds["x"] @ dequantize(feeds["w"], "q4_1", 256).T, TOLERANCE)
-    assert check.ok, check.report
-
-
-def test_a_weight_is_converted_once_for_all_its_kernels_and_dropped_with_them():
-    graph, node = _quant_node("q4_1")
-    w = random_blocks("q4_1", 48, 256, torch.Generator().manual_seed(6))
-    x = torch.randn(2, 256)
-    gc.collect()
-    before = len(INT4_WEIGHTS)
-    first, second = (quant_linear_int4pack(graph.node(node)) for _ in range(2))
-    assert torch.equal(first(x, w), second(x, w))
-    assert len(INT4_WEIGHTS) == before + 1, "one conversion shared by both kernels"
-    held = INT4_WEIGHTS.get(w, "q4_1", 256)
-    assert held.nbytes() == 48 * 256 // 2 + 48 * (256 // GROUP) * 8  # 0.75 bytes a weight
-    del first, second, held
-    gc.collect()
-    assert len(INT4_WEIGHTS) == before, "no kernel reads it: the copy is gone"
-
-
-def test_a_weight_updated_in_place_is_converted_again():
-    graph, node = _quant_node("q4_0")
-    generator = torch.Generator().manual_seed(8)
-    w = random_blocks("q4_0", 48, 256, generator)
-    x = torch.randn(2, 256, generator=generator)
-    kernel = quant_linear_int4pack(graph.node(node))
-    kernel(x, w)
-    w.copy_(random_blocks("q4_0", 48, 256, generator))
-    check = verify(kernel(x, w), x @ dequantize(w, "q4_0", 256).T, TOLERANCE)
-    assert check.ok, check.report

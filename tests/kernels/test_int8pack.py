@@ -7,8 +7,6 @@ converted once and not kept past its kernels."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -19,13 +17,13 @@ from fuel.graph.ops import OpKind, ShapeError
 from fuel.graph.registry import FusedOpParams, FusedOps
 from fuel.jit.adopt import verify
 from fuel.kernels import RECIPE_TOLERANCE, cpu_table, required_caps
-from fuel.kernels.int8pack import (
-    INT8_WEIGHTS, KERNEL_SOURCE, Int8Packed, error_bound, quant_linear_int8pack,
-)
+from fuel.kernels.int8pack import KERNEL_SOURCE, Int8Packed, error_bound
 from fuel.kernels.quant_blocks import (
     dequantize, int8_channel_parts, pack_int8_channel, packed_row_bytes, quantize_int8_channel,
     random_blocks,
 )
+
+from tests.kernels.test_weight_only import quant_node
 
 LAYOUT = INT8_CHANNEL_LAYOUT
 TOLERANCE = RECIPE_TOLERANCE[DType.F32]
@@ -149,68 +147,9 @@ def test_batched_rows_run_as_one_matrix():
     assert torch.equal(held.matmul(x).reshape(6, 40), held.matmul(x.reshape(6, 64)))
 
 
-def _quant_node(layout: str, rows: int = 48, cols: int = 256):
-    graph = Graph()
-    x = graph.input("x", (2, cols), DType.F32)
-    w = graph.input("w", (rows, packed_row_bytes(layout, cols)), DType.U8)
-    node = graph.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, cols), x, w)
-    return graph, node
-
-
-def test_the_cpu_table_binds_int8pack_as_a_variant_arm_for_int8_rows():
-    table = cpu_table()
-    graph, node = _quant_node(LAYOUT)
-    key = (FusedOps.QUANT_LINEAR, (DType.F32, DType.U8, DType.F32), BackendId.CPU,
-           required_caps(graph.node(node)))
-    entry = table.find(*key)
-    assert entry is not None and entry.variant_arm and entry.kernel_source == KERNEL_SOURCE
-    assert table.find_default(*key) is None, "never the node's own kernel: the recipe is arm 0"
-
-
 @pytest.mark.parametrize("layout", ["q8_0", "q4_1", "bf16"])
 def test_int8pack_serves_no_other_layout(layout):
-    graph, node = _quant_node(layout)
+    graph, node = quant_node(layout)
     entry = cpu_table().find(FusedOps.QUANT_LINEAR, (DType.F32, DType.U8, DType.F32),
                              BackendId.CPU, required_caps(graph.node(node)))
     assert entry is None or entry.kernel_source != KERNEL_SOURCE
-
-
-def test_the_executor_runs_the_variant_where_a_node_routes_to_it():
-    from fuel.graph import lower
-    from fuel.runtime import compile_program
-
-    graph, node = _quant_node(LAYOUT, rows=40)
-    generator = torch.Generator().manual_seed(7)
-    feeds = {"x": torch.randn(2, 256, generator=generator),
-             "w": random_blocks(LAYOUT, 40, 256, generator)}
-    got = compile_program(graph, lower(graph, [node]), cpu_table()).run(feeds)[node]
-    check = verify(got, feeds["x"] @ dequantize(feeds["w"], LAYOUT, 256).T, TOLERANCE)
-    assert check.ok, check.report
-
-
-def test_a_weight_is_converted_once_for_all_its_kernels_and_dropped_with_them():
-    graph, node = _quant_node(LAYOUT)
-    w = random_blocks(LAYOUT, 48, 256, torch.Generator().manual_seed(8))
-    x = torch.randn(2, 256)
-    gc.collect()
-    before = len(INT8_WEIGHTS)
-    first, second = (quant_linear_int8pack(graph.node(node)) for _ in range(2))
-    assert torch.equal(first(x, w), second(x, w))
-    assert len(INT8_WEIGHTS) == before + 1, "one conversion shared by both kernels"
-    held = INT8_WEIGHTS.get(w, 256)
-    assert held.nbytes() == 48 * (256 + 4)  # the packed rows' own size
-    del first, second, held
-    gc.collect()
-    assert len(INT8_WEIGHTS) == before, "no kernel reads it: the copy is gone"
-
-
-def test_a_weight_updated_in_place_is_converted_again():
-    graph, node = _quant_node(LAYOUT)
-    generator = torch.Generator().manual_seed(9)
-    w = random_blocks(LAYOUT, 48, 256, generator)
-    x = torch.randn(2, 256, generator=generator)
-    kernel = quant_linear_int8pack(graph.node(node))
-    kernel(x, w)
-    w.copy_(random_blocks(LAYOUT, 48, 256, generator))
-    check = verify(kernel(x, w), x @ dequantize(w, LAYOUT, 256).T, TOLERANCE)
-    assert check.ok, check.report

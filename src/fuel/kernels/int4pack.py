@@ -57,6 +57,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from fuel.kernels.held import HeldConversions, converted_kernel
+
 LAYOUTS = ("q4_0", "q4_1", "q4_k")
 """The GGUF block layouts the int4pack kernel multiplies exactly (module docs)."""
 
@@ -164,42 +166,8 @@ class Int4Packed:
         return out.reshape(*lead, self.rows)
 
 
-class _Int4Weights:
-    """Each packed weight's int4pack form, shared by the kernels that read it while any lives.
-
-    Keyed by the tensor's identity and layout, checked against the tensor itself (a weak
-    reference) and its version counter, so a freed tensor whose id is reused, or a weight
-    updated in place, is converted again, never read stale. The conversions are held weakly:
-    the kernels hold them (:func:`quant_linear_int4pack`)."""
-
-    def __init__(self) -> None:
-        self._held: dict[tuple[int, str, int], weakref.ref] = {}
-
-    def get(self, packed: Any, layout: str, cols: int) -> Int4Packed:
-        key = (id(packed), layout, cols)
-        ref = self._held.get(key)
-        held = ref() if ref is not None else None
-        if held is not None and held.serves(packed):
-            return held
-        held = Int4Packed.convert(packed, layout, cols)
-
-        def forget(dead: weakref.ref, key=key) -> None:
-            if self._held.get(key) is dead:
-                del self._held[key]
-
-        self._held[key] = weakref.ref(held, forget)
-        return held
-
-    def resident_bytes(self) -> int:
-        """Bytes of the conversions alive now."""
-        return sum(held.nbytes() for held in (ref() for ref in list(self._held.values()))
-                   if held is not None)
-
-    def __len__(self) -> int:
-        return sum(ref() is not None for ref in list(self._held.values()))
-
-
-INT4_WEIGHTS = _Int4Weights()
+INT4_WEIGHTS = HeldConversions(Int4Packed.convert)
+"""Each weight's int4pack form, shared while kernels hold it (:class:`fuel.kernels.held.HeldConversions`)."""
 
 
 def quant_linear_int4pack(node: Any):
@@ -207,15 +175,7 @@ def quant_linear_int4pack(node: Any):
     f32 and packed rows ``w`` in, ``x @ dequantize(w).T`` out (f32), through torch's int4pack
     kernel. The weight is converted at the first call and held by this kernel."""
     params = node.op.params
-    layout, cols = params.layout, params.cols
-    held: Int4Packed | None = None
-
-    def run(x, w):
-        nonlocal held
-        if held is None or not held.serves(w):
-            held = INT4_WEIGHTS.get(w, layout, cols)
-        return held.matmul(x)
-    return run
+    return converted_kernel(INT4_WEIGHTS, params.layout, params.cols)
 
 
 __all__ = ["GROUP", "INT4_WEIGHTS", "Int4Packed", "KERNEL_SOURCE", "LAYOUTS",

@@ -51,6 +51,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from fuel.kernels.held import HeldConversions, converted_kernel
+
 LAYOUTS = ("int8_channel",)
 """The row layouts the int8pack kernel multiplies exactly (module docs)."""
 
@@ -110,54 +112,15 @@ class Int8Packed:
         return out.reshape(*lead, self.rows)
 
 
-class _Int8Weights:
-    """Each packed weight's int8pack operands, shared by the kernels that read it while any
-    lives (as :class:`fuel.kernels.int4pack._Int4Weights`: keyed by identity and width, checked
-    against the tensor and its version, held weakly: the kernels hold them)."""
-
-    def __init__(self) -> None:
-        self._held: dict[tuple[int, int], weakref.ref] = {}
-
-    def get(self, packed: Any, cols: int) -> Int8Packed:
-        key = (id(packed), cols)
-        ref = self._held.get(key)
-        held = ref() if ref is not None else None
-        if held is not None and held.serves(packed):
-            return held
-        held = Int8Packed.convert(packed, cols)
-
-        def forget(dead: weakref.ref, key=key) -> None:
-            if self._held.get(key) is dead:
-                del self._held[key]
-
-        self._held[key] = weakref.ref(held, forget)
-        return held
-
-    def resident_bytes(self) -> int:
-        """Bytes of the conversions alive now."""
-        return sum(held.nbytes() for held in (ref() for ref in list(self._held.values()))
-                   if held is not None)
-
-    def __len__(self) -> int:
-        return sum(ref() is not None for ref in list(self._held.values()))
-
-
-INT8_WEIGHTS = _Int8Weights()
+INT8_WEIGHTS = HeldConversions(Int8Packed.convert)
+"""Each weight's int8pack form, shared while kernels hold it (:class:`fuel.kernels.held.HeldConversions`)."""
 
 
 def quant_linear_int8pack(node: Any):
     """The kernel factory of a ``quant_linear`` node over an ``int8_channel`` weight: ``x [...,
     K]`` f32 and packed rows ``w`` in, ``x @ dequantize(w).T`` out (f32), through torch's
     int8pack kernel. The weight is converted at the first call and held by this kernel."""
-    cols = node.op.params.cols
-    held: Int8Packed | None = None
-
-    def run(x, w):
-        nonlocal held
-        if held is None or not held.serves(w):
-            held = INT8_WEIGHTS.get(w, cols)
-        return held.matmul(x)
-    return run
+    return converted_kernel(INT8_WEIGHTS, node.op.params.cols)
 
 
 __all__ = ["INT8_WEIGHTS", "Int8Packed", "KERNEL_SOURCE", "LAYOUTS", "error_bound",

@@ -617,8 +617,7 @@ def torch_table(backend: BackendId = BackendId.CPU) -> KernelBindingTable:
                     factory, caps, Precision.RECIPE_TOLERANCE, kernel_source=source,
                     calls=_CALLS.get(fused_id, calls_here.get(fused_id))))
     if backend is BackendId.CPU:
-        _bind_int4pack(table)
-        _bind_int8pack(table)
+        _bind_weight_only(table)
     return table
 
 
@@ -630,30 +629,21 @@ def _int4pack_calls(node: Node, inputs: Sequence[Node]) -> int:
     return 3 + (2 if node.shape.dims[-1] % ROW_MULTIPLE else 0)
 
 
-def _bind_int4pack(table: KernelBindingTable) -> None:
-    """torch's int4 weight-only CPU kernel for ``quant_linear`` over Q4_0/Q4_1/Q4_K weights: a
-    variant arm (the node keeps its recipe as arm 0 and its JIT request; the Judge decides)."""
-    from fuel.kernels.int4pack import KERNEL_SOURCE, LAYOUTS, quant_linear_int4pack
-    from fuel.kernels.table import layout_capability
-
-    caps = frozenset(layout_capability(layout) for layout in LAYOUTS)
-    table.bind(FusedOps.QUANT_LINEAR, (DType.F32, DType.U8, DType.F32), BackendId.CPU, KernelEntry(
-        quant_linear_int4pack, caps, Precision.RECIPE_TOLERANCE, kernel_source=KERNEL_SOURCE,
-        calls=_int4pack_calls, variant_arm=True))
-
-
 def _int8pack_calls(node: Node, inputs: Sequence[Node]) -> int:
     """The int8pack matmul between two views (the rows in, the output back)."""
     return 3
 
 
-def _bind_int8pack(table: KernelBindingTable) -> None:
-    """torch's int8 weight-only CPU kernel for ``quant_linear`` over ``int8_channel`` weights: a
-    variant arm (the node keeps its recipe as arm 0 and its JIT request; the Judge decides)."""
-    from fuel.kernels.int8pack import KERNEL_SOURCE, LAYOUTS, quant_linear_int8pack
+def _bind_weight_only(table: KernelBindingTable) -> None:
+    """torch's weight-only CPU kernels for ``quant_linear``: int4pack over Q4_0/Q4_1/Q4_K
+    weights, int8pack over ``int8_channel`` ones. Each is a variant arm (the node keeps its
+    recipe as arm 0 and its JIT request; the Judge decides)."""
+    from fuel.kernels import int4pack, int8pack
     from fuel.kernels.table import layout_capability
 
-    caps = frozenset(layout_capability(layout) for layout in LAYOUTS)
-    table.bind(FusedOps.QUANT_LINEAR, (DType.F32, DType.U8, DType.F32), BackendId.CPU, KernelEntry(
-        quant_linear_int8pack, caps, Precision.RECIPE_TOLERANCE, kernel_source=KERNEL_SOURCE,
-        calls=_int8pack_calls, variant_arm=True))
+    for module, factory, calls in ((int4pack, int4pack.quant_linear_int4pack, _int4pack_calls),
+                                   (int8pack, int8pack.quant_linear_int8pack, _int8pack_calls)):
+        caps = frozenset(layout_capability(layout) for layout in module.LAYOUTS)
+        table.bind(FusedOps.QUANT_LINEAR, (DType.F32, DType.U8, DType.F32), BackendId.CPU,
+                   KernelEntry(factory, caps, Precision.RECIPE_TOLERANCE,
+                               kernel_source=module.KERNEL_SOURCE, calls=calls, variant_arm=True))

@@ -215,18 +215,12 @@ def checkpoint_formats(path: str | Path) -> dict[str, Any]:
     from safetensors import SafetensorError, safe_open
 
     from fuel.circuit.format import parse
-    from fuel.inputs import load_json
-    from fuel.runtime.gguf_loader import CorruptWeightsFile, WeightsFileMissing
-    from fuel.runtime.weights import _shards
+    from fuel.runtime.gguf_loader import CorruptWeightsFile
+    from fuel.runtime.weights import _shards, folder_config
 
     path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise WeightsFileMissing(str(config_path), "config.json in the checkpoint folder")
-    config = load_json(config_path, lambda detail: CorruptWeightsFile(str(config_path), detail))
-    if not isinstance(config, dict):
-        raise CorruptWeightsFile(str(config_path), "top level is not a JSON object")
+    config_path, config = folder_config(path if path.is_dir() else path.parent)
+    folder = config_path.parent
     check_scheme(str(config_path), config)
     infos: dict[str, _Info] = {}
     for shard in _shards(folder):

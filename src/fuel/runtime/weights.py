@@ -428,16 +428,23 @@ def _save_safetensors(tensors: Mapping[str, Any], target: Path, *, source: Path)
         raise OSError(errno.EIO, f"writing {target.name}: {error}") from None
 
 
-def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> Weights:
-    """A checkpoint folder's tensors in ``dtype``. ``STORED`` keeps a compressed-tensors int8
-    folder's quantized weights packed (:mod:`fuel.runtime.int8_checkpoint`) and reads any other
-    folder as f32; a quantization config fuel does not run is refused by key."""
+def folder_config(folder: Path) -> tuple[Path, dict[str, Any]]:
+    """``(path, document)`` of a checkpoint folder's ``config.json``: a missing file, bad JSON or
+    a top level that is not an object is the error that names the file."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise WeightsFileMissing(str(config_path), "config.json in the checkpoint folder")
     config = load_json(config_path, lambda detail: CorruptWeightsFile(str(config_path), detail))
     if not isinstance(config, dict):
         raise CorruptWeightsFile(str(config_path), "top level is not a JSON object")
+    return config_path, config
+
+
+def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> Weights:
+    """A checkpoint folder's tensors in ``dtype``. ``STORED`` keeps a compressed-tensors int8
+    folder's quantized weights packed (:mod:`fuel.runtime.int8_checkpoint`) and reads any other
+    folder as f32; a quantization config fuel does not run is refused by key."""
+    config_path, config = folder_config(folder)
     from fuel.runtime.int8_checkpoint import check_scheme
 
     int8 = check_scheme(str(config_path), config)
