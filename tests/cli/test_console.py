@@ -95,3 +95,21 @@ def test_importing_fuel_or_calling_the_cli_in_process_leaves_the_collector_alone
         print(json.dumps(dict(on=on, still_off=not gc.isenabled(), frozen=gc.get_freeze_count())))
     """)
     assert seen == {"on": True, "still_off": True, "frozen": 0}
+
+
+def test_a_tensor_parallel_run_coordinates_with_the_collector_on():
+    # `run --tp N` loads the model in its rank processes; the coordinating process must not keep
+    # the collector off for the whole run.
+    seen = _run("""
+        import gc, json, sys
+        import fuel.cli.run_parallel as parallel
+        from fuel import console
+        record = {}
+        def fake_parallel(*args, **kwargs):
+            record["coordinating"] = gc.isenabled()
+        parallel.run_parallel = fake_parallel
+        sys.argv = ["fuel", "run", "--tp", "2", "-n", "1"]
+        status = console.main()
+        print(json.dumps(dict(record, status=status)))
+    """)
+    assert seen == {"coordinating": True, "status": 0}

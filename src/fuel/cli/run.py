@@ -223,7 +223,9 @@ def run_command(model: ModelArg = None, prompt: PromptOpt = None, max_new_tokens
     """Generate text with a real model on the CPU and report what ran."""
     if tp > 1:
         from fuel.cli.run_parallel import run_parallel
+        from fuel.console import startup_done
 
+        startup_done()  # the ranks load the model in their own processes; this one coordinates
         run_parallel(model, (prompt or [DEMO_PROMPT])[0], max_new_tokens=max_new_tokens, tp=tp,
                      dtype=dtype, max_context=max_context, chat=chat, as_json=as_json,
                      speculate=speculate, batch=batch)
