@@ -14,8 +14,9 @@ and re-enables the collector, so a long-lived server collects as usual, without 
 start-up objects.
 
 Invariants:
-- Only a process that entered through :func:`main` (or called :func:`hold`) has its collector touched; importing fuel
-  as a library, or calling :func:`fuel.cli.app.main` in-process (the tests), changes nothing.
+- Only a process that entered through :func:`main` (or called :func:`hold`) has its collector
+  touched; importing fuel as a library, or calling :func:`fuel.cli.app.main` in-process (the
+  tests), changes nothing.
 - :func:`startup_done` is idempotent and runs, at the latest, when :func:`main` returns or
   raises; reference counting frees every acyclic object meanwhile.
 """
@@ -26,7 +27,8 @@ import gc
 import sys
 
 LOADS_A_MODEL = frozenset({"run", "demo", "serve"})
-"""Commands whose start-up ends when their model is loaded (they call :func:`startup_done`)."""
+"""Commands whose start-up ends when their model is loaded (they call :func:`startup_done`; a
+``run --tp N`` calls it before it starts its ranks, which load the model themselves)."""
 
 _held = False
 
