@@ -3,8 +3,8 @@
 Decided here: a measurement is only ever served back on the same hardware (CPU model, logical
 core count, architecture; for CUDA also the GPU name and driver) running the same kernel
 libraries (torch, numpy versions) and the same kernels of fuel's own (the digest of their
-sources, C and Python: :func:`kernel_sources_digest`). Both are plain strings so they key a SQLite row and survive a
-JSON export. This module reads the machine (an edge); nothing in the planning core calls it.
+sources, C and Python: :func:`kernel_sources_digest`). Both are plain strings so they key a
+SQLite row and survive a JSON export. This module reads the machine (an edge); nothing in the planning core calls it.
 
 Reading versions uses package metadata, never an import, so ``fuel judge show`` stays fast.
 """

@@ -56,8 +56,9 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
   streamed slice, clocked around the calls themselves (the median over the slices of three
   passes) — the fixed host cost every CPU kernel call pays (Python dispatch, the framework's op
   launch) *in a step*, where each call finds the caches just flushed by a weight stream
-  (measured here: ~1 us back to back, a little more after a stream). It is both the launch overhead and the host cost of a view
-  (``host_call_ns``): on the CPU backend both are one torch call.
+  (measured here: ~1 us back to back, a little more after a stream). It is both the launch
+  overhead and the host cost of a view (``host_call_ns``): on the CPU backend both are one
+  torch call.
 - Memory size: physical RAM.
 
 The probe takes a few seconds on a quiet machine (each rate is a handful of timed calls).
@@ -454,6 +455,7 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
         def step(what: str) -> None:
             task.update(description=f"probing this machine (cpu-local, once): {what}")
 
+        llc = _llc_bytes() or 0  # the streamed sets' size (twice it), whatever the dtype order
         for name, torch_name in _DTYPES:
             dtype = getattr(torch, torch_name)
             step(f"{name} matrix product")
@@ -463,7 +465,7 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
             task.advance()
             # The f32 product is the bandwidth probe: always timed on the full, DRAM-sized weight.
             step(f"{name} matrix-vector product")
-            rate, gemv_ns = _linear_rate(torch, dtype, 1, cols, rows, shrink=name != "fp32")
+            rate, _ = _linear_rate(torch, dtype, 1, cols, rows, shrink=name != "fp32")
             numbers[f"{name}_gemv_flops"] = rate
             if name == "bf16":  # the 16-bit weights' kernel streams at its own rate by size
                 numbers["half_bandwidth_by_bytes"] = _stream_by_size(
@@ -545,7 +547,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
             "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; by rows: the same kernel at M={', '.join(map(str, _GEMM_ROWS))} over {_ROWS_SET_BYTES >> 20} MiB of distinct weights (for {', '.join(sorted(c.value for c in rows_curves)) or 'no dtype'}); matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements; attention by rows: {'the prompt-chunk attention (sdpa_prefill, f32, ' + f'{heads}/{kv_heads} heads of {head_dim}) at as many rows as positions' if attention else 'not measured (no prompt-chunk attention kernel)'}",
             "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); by the size of one weight: {', '.join(f'{b / 2**20:.0f} MiB {v / 1e9:.1f} GB/s' for b, v in by_bytes) or 'not measured'} (distinct f32 weights of that size streamed, less a call's fixed cost); bf16/f16 weights: {', '.join(f'{b / 2**20:.1f} MiB {v / 1e9:.1f} GB/s' for b, v in half_by_bytes) or 'not measured'} (bf16 weights, the same way); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
             "memory": f"{probe}: physical RAM (sysconf)",
-            "launch_overhead": f"{probe}: what a one-element torch.add adds after each streamed weight slice, {_CALLS_PER_SLICE} a slice (a call in a step, caches just flushed; back to back it takes {float(numbers['hot_call_ns']) / 1e3:.1f} us); also the host cost of a view",
+            "launch_overhead": f"{probe}: what a one-element torch.add costs right after each streamed weight slice (clocked around the calls, {_CALLS_PER_SLICE} a slice, median over the slices of 3 passes) (a call in a step, caches just flushed; back to back it takes {float(numbers['hot_call_ns']) / 1e3:.1f} us); also the host cost of a view",
             "cache": f"{probe}: {numbers['cache_note']}",
         },
         probed=True,

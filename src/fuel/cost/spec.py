@@ -78,6 +78,18 @@ def peak_class_of(dtype: str) -> PeakClass | None:
     return _DTYPE_PEAK.get(key)
 
 
+def bandwidth_by_size(points: Sequence[tuple[int, float]], half_points: Sequence[tuple[int, float]],
+                      bandwidth: float, call_bytes: float, *, half: bool = False) -> float:
+    """Bytes/s of a call streaming ``call_bytes`` of weight, from ``(bytes, bytes/s)`` measured by
+    weight size (``half_points`` for 16-bit weights, when ``half`` and measured): interpolated in
+    log2(bytes) as :func:`rate_at_rows` does rows (the nearest measured size outside them);
+    ``bandwidth`` where there is no curve."""
+    curve = half_points if half and half_points else points
+    if not curve or call_bytes <= 0:
+        return bandwidth
+    return rate_at_rows(curve, max(1, int(call_bytes))) or bandwidth
+
+
 def rate_at_rows(points: Sequence[tuple[int, float]], rows: int) -> float | None:
     """The rate of a product of ``rows`` rows from rates measured at some row counts.
 
@@ -160,22 +172,18 @@ class DeviceSpec:
     16 and 64 MiB; each call's read starts cold, so a small matrix streams slower). Bytes are
     priced at :meth:`bandwidth_at`; empty (a datasheet device): ``bandwidth_bytes_per_s``."""
 
-    def has_cache_tier(self) -> bool:
-        return self.cache_bytes is not None and self.cache_bandwidth_bytes_per_s is not None
-
     half_bandwidth_by_bytes: tuple[tuple[int, float], ...] = ()
     """The same for 16-bit (bf16/f16) weights, whose kernel widens each in registers
     (``cpu-local``: bf16 weights of 0.5, 2 and 8 MiB); empty: :attr:`bandwidth_by_bytes`."""
 
+    def has_cache_tier(self) -> bool:
+        return self.cache_bytes is not None and self.cache_bandwidth_bytes_per_s is not None
+
     def bandwidth_at(self, call_bytes: float, *, half: bool = False) -> float:
-        """DRAM bytes/s of a call reading ``call_bytes`` (``half``: of 16-bit weights): the
-        measured curve interpolated in log2(bytes) (the nearest measured size outside it),
-        else the one bandwidth."""
-        points = (self.half_bandwidth_by_bytes if half and self.half_bandwidth_by_bytes
-                  else self.bandwidth_by_bytes)
-        if not points or call_bytes <= 0:
-            return self.bandwidth_bytes_per_s
-        return rate_at_rows(points, max(1, int(call_bytes))) or self.bandwidth_bytes_per_s
+        """DRAM bytes/s of a call reading ``call_bytes`` (``half``: of 16-bit weights):
+        :func:`bandwidth_by_size` over the measured curves."""
+        return bandwidth_by_size(self.bandwidth_by_bytes, self.half_bandwidth_by_bytes,
+                                 self.bandwidth_bytes_per_s, call_bytes, half=half)
 
     def matrix_peak(self, dtype: str, *, rows: int = 0) -> float | None:
         """Dense matrix FLOP/s for a dtype, or None when the device has no such peak. A

@@ -93,7 +93,6 @@ Dim = int | str
 """A concrete extent or a run-time symbol."""
 
 
-
 @fast_pickle
 @dataclass(frozen=True, slots=True)
 class Shape:

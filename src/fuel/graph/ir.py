@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuel.graph.dtype import BackendId, Device, DType, Shape
-from fuel.pickling import fast_pickle
 from fuel.graph.ops import OpKind, infer
+from fuel.pickling import fast_pickle
 
 NodeId = int
 

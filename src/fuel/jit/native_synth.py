@@ -325,7 +325,9 @@ class CpuSynthesizer:
         if quant is None or quant.layout not in native.QUANT_LAYOUTS:
             return None
         q8 = quant.layout in native.Q8_FORMATS and self.q8_activations
-        named = quant.layout if quant.layout in ("f16", "bf16", "int8_channel") else f"gguf/{quant.layout}"
+        from fuel.circuit.format import GGUF_BLOCKS
+
+        named = f"gguf/{quant.layout}" if quant.layout in GGUF_BLOCKS else quant.layout
         source = f"fuel.kernels.native fuel_matmul({named}, cols={quant.cols})"
         if q8:
             source += ("\n# decode rows: fuel_matmul_q8, activations rounded to 8 bits per "

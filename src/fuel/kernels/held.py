@@ -20,6 +20,32 @@ from collections.abc import Callable
 from typing import Any
 
 
+class Converted:
+    """What every conversion carries: ``source`` (a weak reference to the packed tensor it was
+    made from) and ``version`` (that tensor's version counter then). :meth:`origin` makes the
+    pair, :meth:`serves` checks it, :meth:`f32_rows` flattens a kernel's activations."""
+
+    source: Any
+    version: int
+
+    @staticmethod
+    def origin(packed: Any) -> tuple[weakref.ref, int]:
+        return weakref.ref(packed), packed._version
+
+    def serves(self, packed: Any) -> bool:
+        return self.source() is packed and self.version == packed._version
+
+    @staticmethod
+    def f32_rows(x: Any, cols: int) -> tuple[tuple[int, ...], Any]:
+        """``(leading dims, x as contiguous f32 [rows, cols])``."""
+        import torch
+
+        rows = x.reshape(-1, cols)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        return tuple(x.shape[:-1]), rows
+
+
 class HeldConversions:
     """Each packed weight's conversion by ``convert(packed, *args)`` (an object with
     ``serves(packed)``, ``nbytes()`` and ``matmul(x)``), shared while any kernel holds it."""
@@ -65,4 +91,4 @@ def converted_kernel(conversions: HeldConversions, *args: Any) -> Callable[[Any,
     return run
 
 
-__all__ = ["HeldConversions", "converted_kernel"]
+__all__ = ["Converted", "HeldConversions", "converted_kernel"]

@@ -53,11 +53,10 @@ zero-scale rows whose outputs are cut off.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from fuel.kernels.held import HeldConversions, converted_kernel
+from fuel.kernels.held import Converted, HeldConversions, converted_kernel
 
 LAYOUTS = ("q4_0", "q4_1", "q4_k")
 """The GGUF block layouts the int4pack kernel multiplies exactly (module docs)."""
@@ -114,7 +113,7 @@ def nibbles_scales_zeros(packed: Any, layout: str, cols: int):
 
 
 @dataclass(eq=False)
-class Int4Packed:
+class Int4Packed(Converted):
     """One weight in torch's int4pack layout: ``weight`` (u8 ``[rows_padded, cols / 2]``) and
     ``scales_and_zeros`` (f32 ``[cols / GROUP, rows_padded, 2]``), made from ``source``."""
 
@@ -141,11 +140,7 @@ class Int4Packed:
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32),
                                                                       INNER_K_TILES)
         scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-        return cls(weight, scales_and_zeros, rows, cols, layout, weakref.ref(packed),
-                   packed._version)
-
-    def serves(self, packed: Any) -> bool:
-        return self.source() is packed and self.version == packed._version
+        return cls(weight, scales_and_zeros, rows, cols, layout, *cls.origin(packed))
 
     def nbytes(self) -> int:
         return (self.weight.numel() * self.weight.element_size()
@@ -155,10 +150,7 @@ class Int4Packed:
         """``x [..., cols] @ dequantize(w).T`` in f32."""
         import torch
 
-        lead = tuple(x.shape[:-1])
-        rows = x.reshape(-1, self.cols)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.float().contiguous()
+        lead, rows = self.f32_rows(x, self.cols)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, GROUP,
                                                          self.scales_and_zeros)
         if out.shape[-1] != self.rows:

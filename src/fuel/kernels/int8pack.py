@@ -47,11 +47,10 @@ and the checkpoint's own tensor, read them).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from fuel.kernels.held import HeldConversions, converted_kernel
+from fuel.kernels.held import Converted, HeldConversions, converted_kernel
 
 LAYOUTS = ("int8_channel",)
 """The row layouts the int8pack kernel multiplies exactly (module docs)."""
@@ -73,7 +72,7 @@ def error_bound(x: Any, weights: Any):
 
 
 @dataclass(eq=False)
-class Int8Packed:
+class Int8Packed(Converted):
     """One weight as torch's int8pack operands: ``weight`` (int8 ``[rows, cols]``, contiguous) and
     ``scales`` (f32 ``[rows]``), made from ``source``."""
 
@@ -90,11 +89,7 @@ class Int8Packed:
         from fuel.kernels.quant_blocks import int8_channel_parts
 
         q, scale = int8_channel_parts(packed, cols)
-        return cls(q.contiguous(), scale.contiguous(), q.shape[0], cols, weakref.ref(packed),
-                   packed._version)
-
-    def serves(self, packed: Any) -> bool:
-        return self.source() is packed and self.version == packed._version
+        return cls(q.contiguous(), scale.contiguous(), q.shape[0], cols, *cls.origin(packed))
 
     def nbytes(self) -> int:
         return (self.weight.numel() * self.weight.element_size()
@@ -104,10 +99,7 @@ class Int8Packed:
         """``x [..., cols] @ dequantize(w).T`` in f32."""
         import torch
 
-        lead = tuple(x.shape[:-1])
-        rows = x.reshape(-1, self.cols)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.float().contiguous()
+        lead, rows = self.f32_rows(x, self.cols)
         out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
         return out.reshape(*lead, self.rows)
 

@@ -422,7 +422,7 @@ def _native_library():
 
 ONEDNN_F32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 """Whether torch's oneDNN f32 linear (``mkldnn._linear_pointwise``) runs here: on this 2-core
-AVX2 AMD CPU it multiplies a 64-row prompt chunk by a SmolLM2 weight at 270-310 GFLOP/s on
+AVX-512 AMD CPU it multiplies a 64-row prompt chunk by a SmolLM2 weight at 270-310 GFLOP/s on
 the checkpoint layout as it is, where ``F.linear`` (MKL) reaches 110-150 (2.0-2.9x; 256 rows
 1.5-2.1x; measured for 1536x576, 576x1536 and 49152x576 weights), f32 throughout: the results
 differ from MKL's by the order of the f32 sums only."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from fuel.graph.dtype import Device
-from fuel.pickling import fast_pickle
 from fuel.graph.ir import NodeId
+from fuel.pickling import fast_pickle
 
 
 class BranchKind(Enum):

@@ -141,14 +141,11 @@ class DeviceRates:
     def bandwidth_for(self, weight_bytes: float, compute: ComputeClass | None = None) -> float:
         """Bytes/s of a node whose call streams ``weight_bytes`` of weight (in the 16-bit
         curve when it computes in bf16/f16 and the device measured one)."""
-        half = compute in (ComputeClass.TENSOR_BF16, ComputeClass.TENSOR_FP16)
-        points = self.half_bandwidth_points if half and self.half_bandwidth_points \
-            else self.bandwidth_points
-        if not points or weight_bytes <= 0:
-            return self.bandwidth
-        from fuel.cost.spec import rate_at_rows
+        from fuel.cost.spec import bandwidth_by_size
 
-        return rate_at_rows(points, max(1, int(weight_bytes))) or self.bandwidth
+        return bandwidth_by_size(self.bandwidth_points, self.half_bandwidth_points, self.bandwidth,
+                                 weight_bytes, half=compute in (ComputeClass.TENSOR_BF16,
+                                                                ComputeClass.TENSOR_FP16))
 
     def attention_peak(self, compute: ComputeClass, *, matvec: bool = False,
                        rows: int = 0) -> float:

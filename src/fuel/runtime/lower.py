@@ -903,28 +903,22 @@ def lower(plan: FusionPlan, circuit: Circuit, weights: Mapping[str, Any], shape:
     return _Lowerer(circuit, plan, shapes, dtype, shape, packed_layouts(weights), kv_dtype).run()
 
 
-def _row_layout(fmt: str | None) -> str | None:
-    """The packed-row layout of a weight format name (``gguf/q4_1`` -> ``q4_1``, a half-precision
-    matrix ``bf16`` -> ``bf16``, ``int8/channel`` -> ``int8_channel``), None for a plain tensor."""
+def packed_layouts(weights: Mapping[str, Any]) -> dict[str, str]:
+    """Binding path → packed-row layout of every packed weight (``Weights.formats`` or a
+    :class:`~fuel.runtime.program.WeightStore` over one; empty for plain weights)."""
     from fuel.circuit.format import row_layout
 
-    return row_layout(fmt)
-
-
-def packed_layouts(weights: Mapping[str, Any]) -> dict[str, str]:
-    """Binding path → llama.cpp block layout of every packed weight (``Weights.formats`` or a
-    :class:`~fuel.runtime.program.WeightStore` over one; empty for plain weights)."""
     format_of = getattr(weights, "format_of", None)
     if format_of is None:
         return {}
     layouts = {}
     for name in weights:
-        layout = _row_layout(format_of(name))
+        layout = row_layout(format_of(name))
         if layout:
             layouts[name] = layout
     aliases = getattr(weights, "aliases", None) or getattr(getattr(weights, "_tensors", None), "aliases", {})
     for alias in aliases or {}:
-        layout = _row_layout(format_of(alias))
+        layout = row_layout(format_of(alias))
         if layout:
             layouts[alias] = layout
     return layouts

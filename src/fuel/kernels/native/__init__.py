@@ -394,6 +394,9 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+LIBRARY = "libfuelgemv.so"
+"""The built library's file name, in :data:`INSTALLED` or the cache's folder of its key."""
+
 INSTALLED = Path(__file__).with_name("built")
 """Where ``python -m fuel.kernels.native`` (run by ``scripts/setup.sh`` after the install) puts
 the library it builds, beside these sources: a build step of the install, as a C extension's,
@@ -485,9 +488,6 @@ def build_installed() -> Path | Unavailable:
         target.unlink(missing_ok=True)
         return Unavailable(f"the native library built but does not load: {error}")
     return target
-
-
-LIBRARY = "libfuelgemv.so"
 
 
 UNITS: tuple[tuple[Path, tuple[str, ...]], ...] = (

@@ -1437,6 +1437,12 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
    in cache), and a unit starts by prefetching its first ATTN_PREFETCH positions. */
 #define ATTN_PREFETCH 8
 
+/* The cache row (in rows of D elements) of position t of sequence b, kv head kv. */
+static inline int64_t cache_row_at(const void *table, int64_t b, int64_t W, int64_t t, int64_t bs,
+                                   int64_t Hkv, int64_t kv, int index_bytes) {
+    return (idx_at(table, b * W + t / bs, index_bytes) * bs + t % bs) * Hkv + kv;
+}
+
 static inline void prefetch_row(const void *cache, int64_t row, int64_t row_bytes) {
 #ifdef __AVX2__
     const char *p = (const char *)cache + row * row_bytes;
@@ -1478,8 +1484,9 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
     /* One unit is a (sequence, kv head, query row): its group's scores, softmax and values.
        Units are shared out over torch's pool when there is enough work (the positions the
        queries read, not the table's capacity: Llama-3.1-8B at 2048 positions took 4.7 ms
-       serial; see ATTN_PARALLEL_WORK); a decode row of a few dozen positions stays serial. Each unit is
-       computed exactly as serially, so the result does not depend on the threads. */
+       serial; see ATTN_PARALLEL_WORK); a decode row of a few dozen positions stays serial.
+       Each unit is computed exactly as serially, so the result does not depend on the
+       threads. */
     extern int omp_get_max_threads(void);
     extern int omp_get_thread_num(void);
     const int64_t units = B * Hkv * L;
@@ -1508,20 +1515,20 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
             continue;
         }
         const int64_t row_bytes = D * (kv_fmt == F32 ? 4 : 2);
+        /* the first ATTN_PREFETCH positions up front, then each one ATTN_PREFETCH ahead */
         for (int64_t t = 0; t < visible && t < ATTN_PREFETCH; t++) {
-            const int64_t row = (idx_at(table, b * W + t / bs, index_bytes) * bs + t % bs) * Hkv + kv;
+            const int64_t row = cache_row_at(table, b, W, t, bs, Hkv, kv, index_bytes);
             prefetch_row(kc, row, row_bytes);
             prefetch_row(vc, row, row_bytes);
         }
         for (int64_t t = 0; t < visible; t++) {
             if (t + ATTN_PREFETCH < visible) {
-                const int64_t ahead = t + ATTN_PREFETCH;
-                const int64_t row = (idx_at(table, b * W + ahead / bs, index_bytes) * bs + ahead % bs) * Hkv + kv;
+                const int64_t row = cache_row_at(table, b, W, t + ATTN_PREFETCH, bs, Hkv, kv, index_bytes);
                 prefetch_row(kc, row, row_bytes);
                 prefetch_row(vc, row, row_bytes);
             }
-            const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
-            const float *key = cache_row(kv_fmt, kc, (blk * bs + t % bs) * Hkv + kv, D, widened);
+            const float *key = cache_row(kv_fmt, kc, cache_row_at(table, b, W, t, bs, Hkv, kv, index_bytes),
+                                         D, widened);
             for (int64_t g = 0; g < group; g++) {
                 const float *query = q + ((b * Hq + kv * group + g) * L + i) * D;
                 float dot = 0.0f;
@@ -1553,8 +1560,8 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
         }
         for (int64_t e = 0; e < group * D; e++) acc[e] = 0.0f;
         for (int64_t t = 0; t < visible; t++) {
-            const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
-            const float *value = cache_row(kv_fmt, vc, (blk * bs + t % bs) * Hkv + kv, D, widened);
+            const float *value = cache_row(kv_fmt, vc, cache_row_at(table, b, W, t, bs, Hkv, kv, index_bytes),
+                                           D, widened);
             for (int64_t g = 0; g < group; g++) {
                 const float w = scores[g * capacity + t];
                 float *a = acc + g * D;
