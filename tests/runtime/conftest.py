@@ -128,3 +128,29 @@ def make_tiny_gguf():
 def tiny_gguf_writer():
     """:func:`write_tiny_gguf` for module- and session-scoped fixtures."""
     return write_tiny_gguf
+
+
+FAST_PROFILE = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
+"""Judge sampling short enough for a test's JIT runs."""
+
+
+def forced_jit_options(tmp_path: Path, fuel_cache: Path, forced, forced_ns: int):
+    """``(table, options)`` of a JIT run whose Judge cells named by ``forced(key)`` read
+    ``forced_ns`` (the kernel still runs once on the step's values: a conversion it makes is
+    made) and every other cell is timed (:data:`FAST_PROFILE`)."""
+    from fuel.cost.profile import Measurement, profile_kernel
+    from fuel.jit.native_synth import CpuSynthesizer
+    from fuel.kernels import cpu_table
+    from fuel.runtime.model import jit_options
+
+    def profile(key, call):
+        if forced(key):
+            call()
+            return Measurement(median_ns=forced_ns, spread_ns=0, samples=1, calls_per_sample=1)
+        return profile_kernel(call, **FAST_PROFILE)
+
+    table = cpu_table()
+    options = jit_options(table, store_path=tmp_path / "judge.sqlite", profile=profile,
+                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
+    options.jit.profile_options = FAST_PROFILE
+    return table, options

@@ -187,24 +187,12 @@ def test_stored_greedy_tokens_equal_transformers_on_the_dequantized_weights(stor
 def _forced_run(stored, tmp_path, fuel_cache, int8pack_ns: int):
     """A JIT run with the Judge's int8pack cells forced to ``int8pack_ns`` (each kernel still
     runs once on the step's values; every other cell timed): the engine and its tokens."""
-    from fuel.cost.profile import Measurement, profile_kernel
-    from fuel.jit.native_synth import CpuSynthesizer
-    from fuel.kernels import cpu_table
     from fuel.kernels.int8pack import KERNEL_SOURCE
-    from fuel.runtime.model import jit_options
 
-    fast = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
+    from tests.runtime.conftest import forced_jit_options
 
-    def profile(key, call):
-        if key[4] == KERNEL_SOURCE:
-            call()
-            return Measurement(median_ns=int8pack_ns, spread_ns=0, samples=1, calls_per_sample=1)
-        return profile_kernel(call, **fast)
-
-    table = cpu_table()
-    options = jit_options(table, store_path=tmp_path / "judge.sqlite", profile=profile,
-                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
-    options.jit.profile_options = fast
+    table, options = forced_jit_options(tmp_path, fuel_cache, lambda key: key[4] == KERNEL_SOURCE,
+                                        int8pack_ns)
     engine = Engine(stored, max_context=64, table=table, optimize_options=options)
     return engine, generate(engine, PROMPT, TOKENS).tokens
 

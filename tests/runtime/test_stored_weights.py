@@ -196,23 +196,10 @@ def _forced_run(shipped_mix, tmp_path, fuel_cache, forced, forced_ns: int):
     ``forced_ns`` (their kernels still run once on the step's values; every other cell timed):
     the engine, its decode program and the greedy tokens."""
     from fuel.circuit.rules import Mode
-    from fuel.cost.profile import Measurement, profile_kernel
-    from fuel.jit.native_synth import CpuSynthesizer
-    from fuel.kernels import cpu_table
-    from fuel.runtime.model import jit_options
 
-    fast = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
+    from tests.runtime.conftest import forced_jit_options
 
-    def profile(key, call):
-        if forced(key):
-            call()  # the kernel really runs (and converts its weight) on the step's values
-            return Measurement(median_ns=forced_ns, spread_ns=0, samples=1, calls_per_sample=1)
-        return profile_kernel(call, **fast)
-
-    table = cpu_table()
-    options = jit_options(table, store_path=tmp_path / "judge.sqlite", profile=profile,
-                          synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
-    options.jit.profile_options = fast
+    table, options = forced_jit_options(tmp_path, fuel_cache, forced, forced_ns)
     engine = Engine(shipped_mix[0], max_context=64, table=table, optimize_options=options)
     tokens = generate(engine, PROMPT, 6).tokens
     decode = [p for p in engine.programs() if p.step.plan.mode is Mode.DECODE][0]
