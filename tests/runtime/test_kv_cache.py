@@ -44,6 +44,20 @@ def test_block_table_and_lengths_are_padded_uint32():
     assert tables.block_table(["y"], width=4).tolist() == [[3, 0, 0, 0]]
 
 
+def test_a_reused_table_buffer_holds_only_the_latest_tables():
+    # The engine writes each step's tables into the buffer of the step before.
+    tables = BlockTables(num_blocks=8, block_size=2)
+    for name, tokens in (("x", 5), ("y", 1)):
+        tables.add(name)
+        tables.append(name, tokens)
+    table, lengths = np.full((1, 3), 7, dtype=np.uint32), np.full(1, 7, dtype=np.uint32)
+    assert tables.block_table_into(["x"], table) is table and table.tolist() == [[0, 1, 2]]
+    assert tables.block_table_into(["y"], table).tolist() == [[3, PAD_BLOCK, PAD_BLOCK]]
+    assert tables.context_lengths_into(["x"], lengths).tolist() == [5]
+    with pytest.raises(ValueError, match="does not fit width 2"):
+        tables.block_table_into(["x"], np.empty((1, 2), dtype=np.uint32))
+
+
 def test_rollback_frees_whole_blocks_past_the_new_end():
     tables = BlockTables(num_blocks=4, block_size=4)
     tables.add("s")

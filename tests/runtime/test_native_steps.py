@@ -190,6 +190,23 @@ def test_results_of_one_run_are_not_overwritten_by_the_next():
     assert torch.equal(first, kept) and not torch.equal(first, second)
 
 
+def test_feeds_refilled_in_place_and_feeds_replaced_are_both_read_anew():
+    # The step list keeps the addresses of the tensors it was fed last; the engine refills the
+    # same tensors in place, and a caller may pass new ones: both must be what the step reads.
+    g, (out, token, written) = _decode_layer_graph()
+    program = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())
+    assert isinstance(program.native, NativeSteps)
+    feeds = _feeds(3, 5, 6)
+    program.run(feeds)
+    for name, value in _feeds(7, 2, 1).items():
+        feeds[name].copy_(value)
+    refilled = program.run(feeds)[out]
+    torch.testing.assert_close(refilled, program.run(_feeds(7, 2, 1))[out], rtol=0, atol=0)
+    replaced = program.run(_feeds(3, 5, 6))[out]
+    assert not torch.equal(refilled, replaced)
+    torch.testing.assert_close(replaced, program.run_timed(_feeds(3, 5, 6))[0][out], rtol=1e-6, atol=1e-6)
+
+
 def test_a_slot_outside_the_cache_raises_as_the_per_node_path_does():
     g, (out, token, written) = _decode_layer_graph()
     program = compile_program(g, lower(g, [out, token, written]), TABLE, weights=_layer_feeds())

@@ -155,8 +155,15 @@ class BlockTables:
         :data:`PAD_BLOCK`. ``width`` defaults to the longest table."""
         tables = [self._get(sequence).blocks for sequence in sequences]
         width = max((len(table) for table in tables), default=0) if width is None else width
-        out = np.full((len(tables), width), PAD_BLOCK, dtype=np.uint32)
-        for row, table in enumerate(tables):
+        return self.block_table_into(sequences, np.empty((len(tables), width), dtype=np.uint32))
+
+    def block_table_into(self, sequences: Sequence[Hashable], out: np.ndarray) -> np.ndarray:
+        """:meth:`block_table` written into ``out`` (``uint32 [len(sequences), width]``, e.g. a
+        step's feed buffer reused from the last step), which it returns."""
+        width = out.shape[1]
+        out.fill(PAD_BLOCK)
+        for row, sequence in enumerate(sequences):
+            table = self._get(sequence).blocks
             if len(table) > width:
                 raise ValueError(f"block table of {len(table)} blocks does not fit width {width}")
             out[row, : len(table)] = table
@@ -164,7 +171,13 @@ class BlockTables:
 
     def context_lengths(self, sequences: Sequence[Hashable]) -> np.ndarray:
         """``uint32 [len(sequences)]``: tokens each sequence holds."""
-        return np.array([self._get(sequence).length for sequence in sequences], dtype=np.uint32)
+        return self.context_lengths_into(sequences, np.empty(len(sequences), dtype=np.uint32))
+
+    def context_lengths_into(self, sequences: Sequence[Hashable], out: np.ndarray) -> np.ndarray:
+        """:meth:`context_lengths` written into ``out``, which it returns."""
+        for row, sequence in enumerate(sequences):
+            out[row] = self._get(sequence).length
+        return out
 
     # -- updates ---------------------------------------------------------------------------
 

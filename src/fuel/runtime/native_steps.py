@@ -237,6 +237,9 @@ class NativeSteps:
         self._keep = keep  # the arena, weights and constants the table points into
         self._lock = threading.Lock()
         self._threads = torch.get_num_threads
+        self._last: list[Any] = [None] * len(feed_slots)
+        """The fed tensors whose addresses the table holds: one passed again as the same object
+        (the engine's KV caches and reused feed buffers, never resized) is not checked again."""
 
     @property
     def kernels(self) -> int:
@@ -249,11 +252,15 @@ class NativeSteps:
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            table = self._table
-            for slot, tensor in zip(self._feed_slots, fed):
+            table, last = self._table, self._last
+            for index, (slot, tensor) in enumerate(zip(self._feed_slots, fed)):
+                if tensor is last[index]:
+                    continue
                 if not tensor.is_contiguous():
+                    last[index] = None
                     return None
                 table[slot] = tensor.data_ptr()
+                last[index] = tensor
             if self._call(self._records, len(self._records), table, self._threads()) != 0:
                 return None
             return tuple(view.clone() if view is not None else fed[index]
