@@ -3,9 +3,11 @@
 Decided here: what is measured and how it becomes a :class:`DeviceSpec`. Every rate is taken
 from the kernels fuel's CPU backend really calls, the way it calls them:
 
-- Matrix peaks (fp32, bf16, fp16): the CPU backend's linear kernel (the bound ``fused_linear``
-  entry: its prepared weight layout, ``mm`` or oneDNN) at M=256, K=N=512 — a prefill-shaped
-  GEMM (2·M·K·N FLOP per call).
+- Matrix peaks (fp32, bf16, fp16): the CPU backend's linear kernel as a step calls it
+  (:func:`_linear_kernel`: f32 activations; f32 weights through the bound ``fused_linear``
+  entry, oneDNN on the checkpoint layout; a bf16/f16 prompt chunk through the GEMM the
+  runtime's 16-bit matrices run) at M=256, K=N=512 — a prefill-shaped GEMM (2·M·K·N FLOP per
+  call).
 - Matrix rates by rows (``gemm_rows_flops``, per dtype): the same kernel, K=N=512, at each
   row count a CPU prompt chunk runs (``_GEMM_ROWS``: 16 to 256, the sizes
   ``fuel.runtime.generate`` pads a chunk to), each timed pass calling it once on each of a set
@@ -83,7 +85,7 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 9  # 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 10  # 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
@@ -330,7 +332,12 @@ def _vector_flops_per_s(torch) -> float:
 
 
 def _linear_kernel(torch, dtype):
-    """The CPU backend's bound linear kernel for ``dtype`` (what a step's projections call)."""
+    """The CPU backend's linear kernel for weights of ``dtype`` as a step's projections call it,
+    on f32 activations (the CPU runtime's activations are f32 whatever its weights): the bound
+    ``fused_linear`` entry; for a 16-bit matrix's prompt chunk (more rows than the native
+    kernel streams) :func:`fuel.kernels.torch_kernels.half_chunk_linear`, which the runtime's
+    bf16/f16 matrices run (``fuel.jit.native_synth``), not the oneDNN-packed layout the entry
+    would prepare (measured 1.3-1.7x faster, so a chunk was priced that much too fast)."""
     from fuel.graph import BackendId, DType, FusedOpParams, FusedOps, Graph
     from fuel.kernels import cpu_table
 
@@ -342,7 +349,16 @@ def _linear_kernel(torch, dtype):
     node_id = graph.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(), x, w)
     entry = cpu_table().find(FusedOps.FUSED_LINEAR, (graph_dtype,) * 3, BackendId.CPU)
     assert entry is not None, "the CPU table binds fused_linear for every float dtype"
-    return entry.kernel(graph.node(node_id))
+    bound = entry.kernel(graph.node(node_id))
+    if dtype == torch.float32:
+        return bound
+    from fuel.kernels.native import STREAM_ROWS
+    from fuel.kernels.torch_kernels import half_chunk_linear
+
+    def linear(x, w):
+        return bound(x, w) if x.shape[0] <= STREAM_ROWS else half_chunk_linear(x, w)
+
+    return linear
 
 
 def _linear_rate(torch, dtype, m: int, k: int, n: int, *, shrink: bool = True) -> tuple[float, int]:
@@ -355,7 +371,7 @@ def _linear_rate(torch, dtype, m: int, k: int, n: int, *, shrink: bool = True) -
     import time
 
     linear = _linear_kernel(torch, dtype)
-    x = torch.randn(m, k).to(dtype)
+    x = torch.randn(m, k)  # f32 activations, as the runtime's (see _linear_kernel)
     w = torch.randn(n, k).to(dtype)
     linear(x, w)  # prepares (transposes or packs) the weight once, as a real run does
     started = time.perf_counter_ns()
@@ -391,7 +407,7 @@ def _linear_rows_rates(torch, dtype, call_ns: float) -> list[list[float]] | None
     weights = [torch.randn(n, k).to(dtype) for _ in range(count)]
     rates = []
     for rows in _GEMM_ROWS:
-        x = torch.randn(rows, k).to(dtype)
+        x = torch.randn(rows, k)
 
         def one_pass() -> None:
             for w in weights:

@@ -191,6 +191,7 @@ class _QuantRunner:
         import torch
 
         from fuel.kernels.native import STREAM_ROWS
+        from fuel.kernels.torch_kernels import half_chunk_linear
 
         self._matmul = lib.matmul
         self.layout, self.cols, self.activations = layout, cols, activations
@@ -198,12 +199,12 @@ class _QuantRunner:
         self._half = {"bf16": torch.bfloat16, "f16": torch.float16}.get(layout)
         self._stream_rows = STREAM_ROWS
         self._torch = torch
+        self._chunk = half_chunk_linear
 
     def __call__(self, x, w):
         if self._half is not None and x.numel() > self._stream_rows * self.cols:
             torch = self._torch
-            half = w.view(self._half).reshape(w.shape[0], self.cols)
-            out = torch.nn.functional.linear(x.to(self._half), half).float()
+            out = self._chunk(x, w.view(self._half).reshape(w.shape[0], self.cols))
             if self._half is torch.bfloat16 or bool(torch.isfinite(out).all()):
                 return out
         return self._matmul(self.layout, x, w, self.cols, activations=self.activations)

@@ -439,6 +439,15 @@ def checkpoint_linear(x, w, bias=None):
     return F.linear(x, w, bias)
 
 
+def half_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for a prompt chunk of f32 activations ``x [M, K]`` against a bf16 or f16
+    matrix ``w [N, K]`` as it is held, f32 out: torch's GEMM in the matrix's format (oneDNN:
+    AVX-512 BF16 or AMX where the CPU has them), the activations rounded to that format first, as
+    a 16-bit model's own reference rounds them. The kernel a bf16/f16 matrix's prompt chunk runs
+    (``fuel.jit.native_synth``), and what the ``cpu-local`` probe times for those formats."""
+    return F.linear(x.to(w.dtype), w).float()
+
+
 def _matmul(node: Node):
     """``torch.matmul``, except an f32 prompt chunk against a transposed ``[N, K]`` weight (a
     quantized or half matrix's recipe: dequantize, transpose, matmul), which runs as
