@@ -152,6 +152,40 @@ def test_a_probe_without_rows_curves_prices_every_gemm_at_the_dense_peak(isolate
     assert spec.matrix_peak("f32", rows=128) == 1e9 and spec.matrix_peak("f32", rows=1) == 1.5e9
 
 
+def test_a_call_is_split_into_its_fixed_cost_and_rate_through_two_widths():
+    # time = fixed + flops / rate through two calls' (FLOPs, ns).
+    # 40 us a call at 50 GFLOP/s: 1 and 4 MFLOP take 60 and 120 us.
+    fixed, rate = probe.call_fit((1e6, 60e3), (4e6, 120e3))
+    assert fixed == pytest.approx(40e3) and rate == pytest.approx(5e10)
+    # Noise that hides the slope (the wider call no slower; a negative fixed part) keeps the
+    # wider call's plain rate and no fixed part, never a negative or infinite one.
+    assert probe.call_fit((1e6, 100.0), (4e6, 90.0)) == (0.0, pytest.approx(4e6 / 90e-9))
+    assert probe.call_fit((1e6, 10.0), (4e6, 100.0)) == (0.0, pytest.approx(4e6 / 100e-9))
+
+
+def test_a_16_bit_matrix_is_probed_through_the_kernel_its_prompt_chunks_run(monkeypatch):
+    # Why: the probe timed bf16 chunks through oneDNN's packed layout on bf16 activations; a
+    # bf16 run multiplies f32 activations by its held matrices with half_chunk_linear, 1.3-1.7x
+    # slower, so fuel plan priced a bf16 prefill ~40% too fast.
+    import torch
+
+    from fuel.kernels import torch_kernels
+    from fuel.kernels.native import STREAM_ROWS
+
+    called = []
+    real = torch_kernels.half_chunk_linear
+    monkeypatch.setattr(torch_kernels, "half_chunk_linear",
+                        lambda x, w: called.append((x.dtype, w.dtype, x.shape[0])) or real(x, w))
+    linear = probe._linear_kernel(torch, torch.bfloat16)
+    x, w = torch.randn(STREAM_ROWS + 1, 64), torch.randn(32, 64).bfloat16()
+    out = linear(x, w)
+    assert called == [(torch.float32, torch.bfloat16, STREAM_ROWS + 1)] and out.dtype == torch.float32
+    torch.testing.assert_close(out, x.bfloat16().float() @ w.float().T, rtol=2e-2, atol=2e-2)
+    linear(x[:1], w)  # a decode row: the native streaming kernel, as the runtime's
+    assert len(called) == 1
+    assert probe._linear_kernel(torch, torch.float32) is not linear
+
+
 def test_the_rows_curve_spans_the_prompt_chunk_sizes_a_run_pads_to():
     # Why: the curve prices a prompt chunk at the rows it really runs: the powers of two a run
     # pads to are measured, the half-steps between them (24, 48 ...) interpolated in log2
@@ -201,16 +235,20 @@ def test_the_rows_curve_times_the_linear_kernel_at_each_row_count(monkeypatch):
 
     def counting(torch_module, dtype):
         def linear(x, w):
-            seen.append((x.shape[0], w.data_ptr()))
+            seen.append((x.shape[0], w.shape[0], w.data_ptr()))
             return kernel(x, w)
         return linear
 
     monkeypatch.setattr(probe, "_linear_kernel", counting)
-    rates = probe._linear_rows_rates(torch, torch.float32, call_ns=1000.0)
+    rates, fits = probe._linear_rows_rates(torch, torch.float32, call_ns=1000.0)
     assert [rows for rows, _ in rates] == list(probe._GEMM_ROWS)
     assert all(rate > 0 for _, rate in rates)
-    assert len({ptr for _, ptr in seen}) == 4  # every call of a pass reads another weight
-    assert {rows for rows, _ in seen} == set(probe._GEMM_ROWS)
+    # Each row count also times products a quarter as wide, for the call's fixed cost.
+    assert [rows for rows, _, _ in fits] == list(probe._GEMM_ROWS)
+    assert all(fixed >= 0 and rate > 0 for _, fixed, rate in fits)
+    for width in (512, 512 // probe._NARROW):  # every call of a pass reads another weight
+        assert len({ptr for _, n, ptr in seen if n == width}) == 4
+    assert {rows for rows, _, _ in seen} == set(probe._GEMM_ROWS)
 
 
 def test_a_dtype_too_slow_for_a_rows_pass_keeps_its_dense_peak():

@@ -135,8 +135,11 @@ def test_device_info_hands_the_probed_rates_by_rows_to_the_roofline():
     spec = replace(device("h100-sxm"), gemv_flops={PeakClass.FP32: 1e9},
                    gemm_rows_flops={PeakClass.FP32: ((16, 2e10), (256, 8e10)),
                                     PeakClass.BF16: ((16, 4e10), (256, 1.6e11))},
-                   attention_rows_flops=((16, 1e9), (256, 3e10)))
+                   attention_rows_flops=((16, 1e9), (256, 3e10)),
+                   gemm_rows_fit={PeakClass.BF16: ((16, 3e4, 5e10), (256, 2e4, 2e11))})
     rates = device_info(spec).rates
+    assert rates.rows_fits == {"bf16": ((16, 3e4, 5e10), (256, 2e4, 2e11))}
+    assert rates.matrix_call(ComputeClass.TENSOR_FP32, 64) is None  # fp32: no split measured
     assert rates.rows_peaks == {"fp32-matrix": ((16, 2e10), (256, 8e10)),
                                 "bf16": ((16, 4e10), (256, 1.6e11))}
     assert rates.attention_peaks == ((16, 1e9), (256, 3e10))

@@ -184,6 +184,30 @@ def test_a_linear_is_priced_at_the_rate_measured_at_its_rows_not_the_dense_peak(
     assert decode.matvec and decode.time_ns(CPU_RATES) == pytest.approx(decode.flops / 1e10 * 1e9)
 
 
+def test_a_chunk_gemm_call_pays_its_fixed_cost_so_a_narrow_product_runs_below_a_wide_ones_rate():
+    # Why: a bf16 prompt chunk's 192-wide k/v projections ran at 270 GFLOP/s and its 1536-wide
+    # gate/up at 535 on this CPU: ~50 us a call plus ~540 GFLOP/s. Priced at one rate, the narrow
+    # products (and the plan's prefill) came out ~25% too fast.
+    from dataclasses import replace
+
+    c = _f32_circuit(hidden=64)
+    q = node_work(c, _node(c, "l0.attn.q"), Workload.prefill(128, parse("f32")))
+    assert q.calls == 1 and q.matrix_rows == 128
+    fitted = replace(CPU_RATES, rows_fits={"fp32-matrix": ((16, 2e4, 1e11), (256, 5e4, 2e11))})
+    assert fitted.matrix_call(ComputeClass.TENSOR_FP32, 64) == pytest.approx((3.5e4, 1.5e11))
+    assert q.time_ns(fitted) == pytest.approx(4.25e4 + q.flops / 1.75e11 * 1e9)  # 128: 3/4 of the way
+    looped = node_work(c, _node(c, "l0.attn.q"), Workload.prefill(128, parse("f32")), passes=8)
+    assert looped.calls == 8 and looped.time_ns(fitted) == pytest.approx(8 * 2e4 + looped.flops / 1e11 * 1e9)
+    # Fewer rows than measured: the fixed part shrinks toward a one-row product's none.
+    assert fitted.matrix_call(ComputeClass.TENSOR_FP32, 4) == pytest.approx((2e4 * 3 / 15, 1e11))
+    # No fit for the class, one row, or attention: priced as before.
+    assert q.time_ns(CPU_RATES) == pytest.approx(q.flops / 1.3e11 * 1e9)
+    decode = node_work(c, _node(c, "l0.attn.q"), Workload.decode(1, 10, parse("f32")))
+    assert decode.time_ns(fitted) == decode.time_ns(CPU_RATES)
+    attention = node_work(c, _node(c, "l0.attn.attn"), Workload.prefill(64, parse("f32")))
+    assert attention.calls == 0 and attention.time_ns(fitted) == attention.time_ns(CPU_RATES)
+
+
 def test_a_per_row_loop_prices_each_pass_at_the_rows_of_one_pass():
     c = _f32_circuit(hidden=64)
     w = node_work(c, _node(c, "l0.attn.q"), Workload.prefill(64, parse("f32")), passes=4)

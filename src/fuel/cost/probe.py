@@ -85,13 +85,14 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 10  # 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 10  # 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; a chunk GEMM's fixed cost per call; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
 _CALLS_PER_SLICE = 16
 _GEMM_SHAPE = (256, 512, 512)  # (M, K, N) of the prefill-shaped product
 _GEMM_ROWS = (16, 32, 64, 128, 256)
+_NARROW = 4  # the fixed-cost fit's second product is N / _NARROW wide (see _linear_rows_rates)
 """Row counts of the matrix-rate curve: the powers of two a CPU prompt chunk runs at
 (``fuel.runtime.generate.bucket``, ``MIN_BUCKET`` to ``DEFAULT_CHUNK``); the half-steps between
 them (24, 48, 96, 192) are priced by interpolating in log2 between two measured neighbours."""
@@ -395,28 +396,53 @@ def _linear_rate(torch, dtype, m: int, k: int, n: int, *, shrink: bool = True) -
     return 2 * m * k * n / (measured.median_ns * 1e-9), measured.median_ns * scale
 
 
-def _linear_rows_rates(torch, dtype, call_ns: float) -> list[list[float]] | None:
-    """``[[rows, FLOP/s], ...]`` of the CPU linear kernel at each of ``_GEMM_ROWS`` (see the
-    module docstring), or None when a pass would exceed ``_ROWS_BUDGET_NS`` (``call_ns``: one
-    256-row call, as timed for the dense peak)."""
+def _linear_rows_rates(torch, dtype, call_ns: float
+                       ) -> tuple[list[list[float]], list[list[float]]] | None:
+    """``([[rows, FLOP/s], ...], [[rows, fixed ns, FLOP/s], ...])`` of the CPU linear kernel at
+    each of ``_GEMM_ROWS`` (see the module docstring), or None when a pass would exceed
+    ``_ROWS_BUDGET_NS`` (``call_ns``: one 256-row call, as timed for the dense peak).
+
+    The first list is the rate of the K=N=512 product. The second splits a call's time into a
+    fixed part and a rate (:func:`call_fit` of that product and one a quarter as wide): a
+    prompt chunk's GEMM pays a fixed cost per call (converting and packing its activations,
+    the threads' fork and join) that a narrow product (a 192-wide k/v projection) feels far more
+    than a 512-wide one. Measured here for bf16 at 128 rows: ~50 us a call plus ~540 GFLOP/s,
+    where 576-wide and 192-wide matrices ran at 400 and 270 GFLOP/s."""
     linear = _linear_kernel(torch, dtype)
     _, k, n = _GEMM_SHAPE
+    narrow = n // _NARROW
     count = max(2, _ROWS_SET_BYTES // (k * n * torch.empty((), dtype=dtype).element_size()))
-    if call_ns * count > _ROWS_BUDGET_NS:
+    if call_ns * count * (1 + 1 / _NARROW) > _ROWS_BUDGET_NS:
         return None
-    weights = [torch.randn(n, k).to(dtype) for _ in range(count)]
-    rates = []
+    weights = {width: [torch.randn(width, k).to(dtype) for _ in range(count)] for width in (n, narrow)}
+    rates, fits = [], []
     for rows in _GEMM_ROWS:
         x = torch.randn(rows, k)
+        per_call = {}
+        for width, set_ in weights.items():
+            def one_pass(set_=set_) -> None:
+                for w in set_:
+                    linear(x, w)
 
-        def one_pass() -> None:
-            for w in weights:
-                linear(x, w)
+            one_pass()  # prepares each weight's layout for this row count once, as a run does
+            per_call[width] = profile_kernel(one_pass, warmup=0, repeats=3, min_sample_ns=0).median_ns / count
+        rates.append([rows, 2 * rows * k * n / (per_call[n] * 1e-9)])
+        fixed, rate = call_fit((2 * rows * k * narrow, per_call[narrow]), (2 * rows * k * n, per_call[n]))
+        fits.append([rows, fixed, rate])
+    return rates, fits
 
-        one_pass()  # prepares each weight's layout for this row count once, as a run does
-        measured = profile_kernel(one_pass, warmup=0, repeats=3, min_sample_ns=0)
-        rates.append([rows, 2 * rows * k * n * count / (measured.median_ns * 1e-9)])
-    return rates
+
+def call_fit(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """``(fixed ns, FLOP/s)`` of ``time = fixed + flops / rate`` through two calls' ``(FLOPs,
+    ns)``; where the slope does not resolve (the larger call not slower, or a negative fixed
+    part: noise), ``(0, the larger call's plain rate)``. Pure."""
+    (small_flops, small_ns), (large_flops, large_ns) = small, large
+    plain = large_flops / (large_ns * 1e-9)
+    if large_ns <= small_ns or large_flops <= small_flops:
+        return 0.0, plain
+    rate = (large_flops - small_flops) / ((large_ns - small_ns) * 1e-9)
+    fixed = small_ns - small_flops / rate * 1e9
+    return (fixed, rate) if fixed > 0 else (0.0, plain)
 
 
 def attention_flops(heads: int, head_dim: int, rows: int, context: int) -> int:
@@ -477,7 +503,9 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
             step(f"{name} matrix product")
             numbers[f"{name}_flops"], gemm_ns = _linear_rate(torch, dtype, m, k, n)
             step(f"{name} matrix product by rows")
-            numbers[f"{name}_gemm_rows_flops"] = _linear_rows_rates(torch, dtype, gemm_ns)
+            measured = _linear_rows_rates(torch, dtype, gemm_ns)
+            numbers[f"{name}_gemm_rows_flops"] = measured[0] if measured else None
+            numbers[f"{name}_gemm_rows_fit"] = measured[1] if measured else None
             task.advance()
             # The f32 product is the bandwidth probe: always timed on the full, DRAM-sized weight.
             step(f"{name} matrix-vector product")
@@ -542,10 +570,16 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
     gemv = {cls: float(numbers[f"{name}_gemv_flops"]) for name, cls in classes.items()}
     rows_curves = {cls: tuple((int(r), float(v)) for r, v in numbers[f"{name}_gemm_rows_flops"])
                    for name, cls in classes.items() if numbers.get(f"{name}_gemm_rows_flops")}
+    rows_fits = {cls: tuple((int(r), float(f), float(v)) for r, f, v in numbers[f"{name}_gemm_rows_fit"])
+                 for name, cls in classes.items() if numbers.get(f"{name}_gemm_rows_fit")}
     attention = tuple((int(r), float(v)) for r, v in numbers.get("attention_rows_flops") or ())
     by_bytes = tuple((int(b), float(v)) for b, v in numbers.get("bandwidth_by_bytes") or ())
     half_by_bytes = tuple((int(b), float(v))
                           for b, v in numbers.get("half_bandwidth_by_bytes") or ())
+    fits_text = "; ".join(
+        f"{c.value} at {r} rows {f / 1e3:.0f} us + {v / 1e9:.0f} GFLOP/s"
+        for c, fit in sorted(rows_fits.items(), key=lambda kv: kv[0].value)
+        for r, f, v in fit if r == 128) or "not measured"
     heads, kv_heads, head_dim = _ATTENTION_LAYOUT
     probe = f"probed on this machine ({fingerprint}; torch threads={numbers['torch_threads']})"
     m, k, n = _GEMM_SHAPE
@@ -560,7 +594,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         memory_bytes=int(numbers["memory_bytes"]),
         launch_overhead_ns=int(numbers["launch_overhead_ns"]),
         sources={
-            "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; by rows: the same kernel at M={', '.join(map(str, _GEMM_ROWS))} over {_ROWS_SET_BYTES >> 20} MiB of distinct weights (for {', '.join(sorted(c.value for c in rows_curves)) or 'no dtype'}); matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements; attention by rows: {'the prompt-chunk attention (sdpa_prefill, f32, ' + f'{heads}/{kv_heads} heads of {head_dim}) at as many rows as positions' if attention else 'not measured (no prompt-chunk attention kernel)'}",
+            "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; by rows: the same kernel at M={', '.join(map(str, _GEMM_ROWS))} over {_ROWS_SET_BYTES >> 20} MiB of distinct weights (for {', '.join(sorted(c.value for c in rows_curves)) or 'no dtype'}), and N={n // _NARROW} beside it for a call's fixed cost ({fits_text}); matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements; attention by rows: {'the prompt-chunk attention (sdpa_prefill, f32, ' + f'{heads}/{kv_heads} heads of {head_dim}) at as many rows as positions' if attention else 'not measured (no prompt-chunk attention kernel)'}",
             "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); by the size of one weight: {', '.join(f'{b / 2**20:.0f} MiB {v / 1e9:.1f} GB/s' for b, v in by_bytes) or 'not measured'} (distinct f32 weights of that size streamed, less a call's fixed cost); bf16/f16 weights: {', '.join(f'{b / 2**20:.1f} MiB {v / 1e9:.1f} GB/s' for b, v in half_by_bytes) or 'not measured'} (bf16 weights, the same way); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
             "memory": f"{probe}: physical RAM (sysconf)",
             "launch_overhead": f"{probe}: what a one-element torch.add costs right after each streamed weight slice (clocked around the calls, {_CALLS_PER_SLICE} a slice, median over the slices of 3 passes) (a call in a step, caches just flushed; back to back it takes {float(numbers['hot_call_ns']) / 1e3:.1f} us); also the host cost of a view",
@@ -575,6 +609,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         gemv_flops=gemv,
         host_call_ns=int(numbers["launch_overhead_ns"]),
         gemm_rows_flops=rows_curves,
+        gemm_rows_fit=rows_fits,
         attention_rows_flops=attention,
         bandwidth_by_bytes=by_bytes,
         half_bandwidth_by_bytes=half_by_bytes,
@@ -591,6 +626,9 @@ _REQUIRED = (
     "fp32_gemm_rows_flops",
     "bf16_gemm_rows_flops",
     "fp16_gemm_rows_flops",
+    "fp32_gemm_rows_fit",
+    "bf16_gemm_rows_fit",
+    "fp16_gemm_rows_fit",
     "attention_rows_flops",
     "copy_bytes_per_s",
     "vector_flops",

@@ -160,6 +160,13 @@ class DeviceSpec:
     amortizes that over the rows — so a 128-row product runs well below the 256-row peak; a
     product of ``rows`` rows is priced at :func:`rate_at_rows` of these (with the matrix-vector
     rate as the one-row point). A datasheet device has none and uses its dense peak."""
+    gemm_rows_fit: dict[PeakClass, tuple[tuple[int, float, float], ...]] = field(default_factory=dict)
+    """A matrix-product call's time split per dtype at several row counts, ``((rows, fixed ns,
+    FLOP/s), ...)``: ``time = fixed + flops / rate`` through two products of one row count, 512
+    and 128 wide (``cpu-local``; ``fuel.cost.probe.call_fit``). A CPU prompt chunk's GEMM pays a
+    fixed cost per call, so a narrow product runs well below the rate of a wide one; ``fuel
+    plan`` prices each call so (:meth:`fuel.report.roofline.DeviceRates.matrix_call`). Empty: a
+    call is priced at ``gemm_rows_flops`` alone."""
     attention_rows_flops: tuple[tuple[int, float], ...] = ()
     """Attention FLOP/s of a prompt chunk at several row counts, ``((rows, FLOP/s), ...)``, where
     measured (``cpu-local``: the CPU's prompt-chunk attention, which is not a packed GEMM and

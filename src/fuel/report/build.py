@@ -160,11 +160,14 @@ def device_info(spec: Any) -> DeviceInfo:
     by_rows = {names[c]: tuple((int(r), float(v)) for r, v in curve)
                for c, curve in sorted(spec.gemm_rows_flops.items(), key=lambda kv: kv[0].value)
                if c in names and curve}
+    fits = {names[c]: tuple((int(r), float(f), float(v)) for r, f, v in fit)
+            for c, fit in sorted(spec.gemm_rows_fit.items(), key=lambda kv: kv[0].value)
+            if c in names and fit}
     attention = tuple((int(r), float(v)) for r, v in spec.attention_rows_flops)
     rates = DeviceRates(spec.name, float(spec.bandwidth_bytes_per_s), peaks,
                         float(spec.launch_overhead_ns), int(spec.memory_bytes), matvec, by_rows,
                         attention, tuple((int(b), float(v)) for b, v in spec.bandwidth_by_bytes),
-                        tuple((int(b), float(v)) for b, v in spec.half_bandwidth_by_bytes))
+                        tuple((int(b), float(v)) for b, v in spec.half_bandwidth_by_bytes), fits)
     return DeviceInfo(rates, spec.title, dict(spec.sources))
 
 

@@ -137,6 +137,32 @@ class DeviceRates:
     at the bandwidth of that weight's size; empty, at :attr:`bandwidth`."""
     half_bandwidth_points: tuple[tuple[int, float], ...] = ()
     """The same for 16-bit weights (:attr:`fuel.cost.spec.DeviceSpec.half_bandwidth_by_bytes`)."""
+    rows_fits: Mapping[str, tuple[tuple[int, float, float], ...]] = field(default_factory=dict)
+    """Measured ``(rows, fixed ns, FLOP/s)`` per compute class where the device has them
+    (``cpu-local``, :attr:`fuel.cost.spec.DeviceSpec.gemm_rows_fit`): a matrix-product call of
+    several rows costs the fixed part plus its FLOPs at the rate (:meth:`matrix_call`)."""
+
+    def matrix_call(self, compute: ComputeClass, rows: int) -> tuple[float, float] | None:
+        """``(fixed ns, FLOP/s)`` of one matrix-product call of ``rows`` rows (``rows`` >= 2),
+        each interpolated in ``log2(rows)`` between the measured row counts
+        (:func:`fuel.cost.spec.rate_at_rows`), or None where the device measured no split (the
+        call is then priced at :meth:`peak`). Below the smallest measured rows the fixed part
+        shrinks in proportion: a 4-row product runs the native streaming kernel, not the
+        chunk's GEMM."""
+        fit = self.rows_fits.get(compute.value)
+        if rows < 2 or not fit:
+            return None
+        from fuel.cost.spec import rate_at_rows
+
+        rate = rate_at_rows([(r, v) for r, _, v in fit], rows)
+        if rate is None:
+            return None
+        fixed_points = [(r, f) for r, f, _ in fit if f > 0]
+        fixed = rate_at_rows(fixed_points, rows) or 0.0
+        smallest = min((r for r, _ in fixed_points), default=rows)
+        if rows < smallest:
+            fixed *= (rows - 1) / (smallest - 1)
+        return fixed, rate
 
     def bandwidth_for(self, weight_bytes: float, compute: ComputeClass | None = None) -> float:
         """Bytes/s of a node whose call streams ``weight_bytes`` of weight (in the 16-bit
@@ -256,6 +282,9 @@ class NodeWork:
     attention: bool = False
     """Attention: ``matrix_rows`` are its query rows a sequence, priced at the device's
     measured attention rate at those rows where it has one."""
+    calls: int = 0
+    """Matrix-product calls the node makes (one a pass; 0: not a matrix product): each pays the
+    device's fixed cost of a call at ``matrix_rows`` rows where it measured one."""
 
     @property
     def bytes(self) -> float:
@@ -264,6 +293,11 @@ class NodeWork:
     def time_ns(self, rates: DeviceRates) -> float:
         """The roofline time: the slower of moving the bytes and doing the FLOPs."""
         memory = self.bytes / rates.bandwidth_for(self.weight_bytes, self.compute) * 1e9
+        call = (rates.matrix_call(self.compute, self.matrix_rows)
+                if self.calls and not self.matvec and not self.attention and self.flops else None)
+        if call is not None:
+            fixed, rate_at = call
+            return max(memory, self.calls * fixed + self.flops / rate_at * 1e9)
         rate = rates.attention_peak if self.attention else rates.peak
         compute = (self.flops / rate(self.compute, matvec=self.matvec, rows=self.matrix_rows)
                    * 1e9 if self.flops else 0.0)
@@ -399,7 +433,7 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             weight = fmt.weight_bytes(n, k) + _bias_bytes(node, n)
             return NodeWork(2.0 * rows * k * n, float(weight * passes), io_bytes(), 0.0,
                             input_compute(), matvec=one_row_per_pass(),
-                            matrix_rows=rows_per_pass())
+                            matrix_rows=rows_per_pass(), calls=max(passes, 1))
         case OpKind.EXPERT_GATE_UP | OpKind.EXPERT_DOWN:
             fmt = _weight_format(circuit, node)
             experts, top_k = _dim(circuit, node, "experts"), _dim(circuit, node, "top_k")
