@@ -284,12 +284,16 @@ def test_the_attention_probe_times_the_prompt_chunk_attention_at_each_row_count(
         return real(q, k_cache, v_cache, table, lens, scale, dtype)
 
     monkeypatch.setattr(paged, "sdpa_prefill", spy)
-    rates = probe._attention_rows_rates(torch)
+    rates, fits = probe._attention_rows_rates(torch)
     assert [rows for rows, _ in rates] == list(probe._GEMM_ROWS)
     assert all(rate > 0 for _, rate in rates)
+    assert [rows for rows, _, _ in fits] == list(probe._GEMM_ROWS)
+    assert all(fixed >= 0 and rate > 0 for _, fixed, rate in fits)
     heads, kv_heads, head_dim = probe._ATTENTION_LAYOUT
+    narrow = (heads // probe._NARROW, kv_heads // probe._NARROW)
     for rows in probe._GEMM_ROWS:  # as many rows as positions: a prompt's first chunk
         assert ((1, heads, rows, head_dim), kv_heads, rows) in calls
+        assert ((1, narrow[0], rows, head_dim), narrow[1], rows) in calls  # the fixed-cost fit
 
 
 def test_the_per_call_overhead_is_the_calls_own_time_whatever_the_stream_does(monkeypatch):

@@ -205,7 +205,24 @@ def test_a_chunk_gemm_call_pays_its_fixed_cost_so_a_narrow_product_runs_below_a_
     decode = node_work(c, _node(c, "l0.attn.q"), Workload.decode(1, 10, parse("f32")))
     assert decode.time_ns(fitted) == decode.time_ns(CPU_RATES)
     attention = node_work(c, _node(c, "l0.attn.attn"), Workload.prefill(64, parse("f32")))
-    assert attention.calls == 0 and attention.time_ns(fitted) == attention.time_ns(CPU_RATES)
+    assert attention.calls == 1 and attention.time_ns(fitted) == attention.time_ns(CPU_RATES)
+
+
+def test_a_chunk_attention_call_pays_its_fixed_cost_where_the_device_measured_one():
+    # Why: a SmolLM2 (9 heads) chunk's attention ran at 34 GFLOP/s where the probe's 16-head
+    # layout ran at 44: gathering the cache and masking cost per call, whatever the heads.
+    from dataclasses import replace
+
+    c = _f32_circuit(q_heads=4, kv_heads=2, head_dim=16)
+    w = node_work(c, _node(c, "l0.attn.attn"), Workload.prefill(64, parse("f32")))
+    fitted = replace(CPU_RATES, attention_fits=((16, 1e4, 2e9), (256, 3e4, 5e10)))
+    assert fitted.attention_call(64) == pytest.approx((2e4, 2.6e10))  # halfway in log2
+    assert w.time_ns(fitted) == pytest.approx(2e4 + w.flops / 2.6e10 * 1e9)
+    two = node_work(c, _node(c, "l0.attn.attn"),
+                    Workload((SequenceRows(64, 64), SequenceRows(64, 64)), parse("f32")))
+    assert two.calls == 2  # one call a sequence
+    decode = node_work(c, _node(c, "l0.attn.attn"), Workload.decode(1, 64, parse("f32")))
+    assert decode.time_ns(fitted) == decode.time_ns(CPU_RATES)  # one row: no chunk call
 
 
 def test_a_per_row_loop_prices_each_pass_at_the_rows_of_one_pass():

@@ -85,7 +85,7 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 10  # 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; a chunk GEMM's fixed cost per call; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 10  # 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; a chunk GEMM's and attention's fixed cost per call; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
@@ -452,9 +452,13 @@ def attention_flops(heads: int, head_dim: int, rows: int, context: int) -> int:
     return 4 * heads * head_dim * attended
 
 
-def _attention_rows_rates(torch) -> list[list[float]] | None:
-    """``[[rows, FLOP/s], ...]`` of the CPU's prompt-chunk attention at each of ``_GEMM_ROWS``
-    (see the module docstring), or None when this fuel has no such kernel to call."""
+def _attention_rows_rates(torch) -> tuple[list[list[float]], list[list[float]]] | None:
+    """``([[rows, FLOP/s], ...], [[rows, fixed ns, FLOP/s], ...])`` of the CPU's prompt-chunk
+    attention at each of ``_GEMM_ROWS`` (see the module docstring), or None when this fuel has
+    no such kernel to call. The second splits a call (:func:`call_fit`) through the layout and
+    one with a quarter of its heads: gathering the cache and building the causal mask cost per
+    call, so a model with fewer heads (SmolLM2: 9) runs below the 16-head rate (measured at 128
+    rows: 34 GFLOP/s against 44)."""
     try:
         from fuel.jit.paged import sdpa_prefill
     except ImportError:
@@ -462,19 +466,24 @@ def _attention_rows_rates(torch) -> list[list[float]] | None:
     heads, kv_heads, head_dim = _ATTENTION_LAYOUT
     largest = max(_GEMM_ROWS)
     blocks = -(-largest // _ATTENTION_BLOCK)
-    k_cache = torch.randn(blocks, _ATTENTION_BLOCK, kv_heads, head_dim)
-    v_cache = torch.randn(blocks, _ATTENTION_BLOCK, kv_heads, head_dim)
     table = torch.arange(blocks, dtype=torch.int32)[None]
-    rates = []
+    caches = {h: (torch.randn(blocks, _ATTENTION_BLOCK, kv, head_dim),
+                  torch.randn(blocks, _ATTENTION_BLOCK, kv, head_dim))
+              for h, kv in ((heads, kv_heads), (heads // _NARROW, kv_heads // _NARROW))}
+    rates, fits = [], []
     for rows in _GEMM_ROWS:
-        q = torch.randn(1, heads, rows, head_dim)
         lens = torch.tensor([rows], dtype=torch.int32)
-        measured = profile_kernel(
-            lambda: sdpa_prefill(q, k_cache, v_cache, table, lens, head_dim ** -0.5, torch.float32),
-            warmup=2, repeats=5, min_sample_ns=2_000_000)
-        flops = attention_flops(heads, head_dim, rows, rows)
-        rates.append([rows, flops / (measured.median_ns * 1e-9)])
-    return rates
+        timed = {}
+        for h, (k_cache, v_cache) in caches.items():
+            q = torch.randn(1, h, rows, head_dim)
+            measured = profile_kernel(
+                lambda: sdpa_prefill(q, k_cache, v_cache, table, lens, head_dim ** -0.5, torch.float32),
+                warmup=2, repeats=5, min_sample_ns=2_000_000)
+            timed[h] = (attention_flops(h, head_dim, rows, rows), measured.median_ns)
+        flops, ns = timed[heads]
+        rates.append([rows, flops / (ns * 1e-9)])
+        fits.append([rows, *call_fit(timed[heads // _NARROW], timed[heads])])
+    return rates, fits
 
 
 def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str]:
@@ -532,7 +541,9 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
         task.advance()
 
         step("prompt-chunk attention by rows")
-        numbers["attention_rows_flops"] = _attention_rows_rates(torch)
+        measured = _attention_rows_rates(torch)
+        numbers["attention_rows_flops"] = measured[0] if measured else None
+        numbers["attention_rows_fit"] = measured[1] if measured else None
         task.advance()
 
         step("streaming copy")
@@ -573,6 +584,8 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
     rows_fits = {cls: tuple((int(r), float(f), float(v)) for r, f, v in numbers[f"{name}_gemm_rows_fit"])
                  for name, cls in classes.items() if numbers.get(f"{name}_gemm_rows_fit")}
     attention = tuple((int(r), float(v)) for r, v in numbers.get("attention_rows_flops") or ())
+    attention_fit = tuple((int(r), float(f), float(v))
+                          for r, f, v in numbers.get("attention_rows_fit") or ())
     by_bytes = tuple((int(b), float(v)) for b, v in numbers.get("bandwidth_by_bytes") or ())
     half_by_bytes = tuple((int(b), float(v))
                           for b, v in numbers.get("half_bandwidth_by_bytes") or ())
@@ -611,6 +624,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         gemm_rows_flops=rows_curves,
         gemm_rows_fit=rows_fits,
         attention_rows_flops=attention,
+        attention_rows_fit=attention_fit,
         bandwidth_by_bytes=by_bytes,
         half_bandwidth_by_bytes=half_by_bytes,
     )
@@ -630,6 +644,7 @@ _REQUIRED = (
     "bf16_gemm_rows_fit",
     "fp16_gemm_rows_fit",
     "attention_rows_flops",
+    "attention_rows_fit",
     "copy_bytes_per_s",
     "vector_flops",
     "bandwidth_bytes_per_s",

@@ -172,6 +172,10 @@ class DeviceSpec:
     measured (``cpu-local``: the CPU's prompt-chunk attention, which is not a packed GEMM and
     runs far below the matrix rate). Attention of several rows a sequence is priced at
     :func:`rate_at_rows` of these; empty (a datasheet device): at the dense matrix peak."""
+    attention_rows_fit: tuple[tuple[int, float, float], ...] = ()
+    """A prompt chunk's attention call split as :attr:`gemm_rows_fit` splits a product,
+    ``((rows, fixed ns, FLOP/s), ...)``, through the probe's layout and one with a quarter of its
+    heads (``cpu-local``). Empty: attention is priced at :attr:`attention_rows_flops` alone."""
 
     bandwidth_by_bytes: tuple[tuple[int, float], ...] = ()
     """DRAM read bandwidth by the size of the weight one call streams, ``((bytes, bytes/s),

@@ -167,7 +167,8 @@ def device_info(spec: Any) -> DeviceInfo:
     rates = DeviceRates(spec.name, float(spec.bandwidth_bytes_per_s), peaks,
                         float(spec.launch_overhead_ns), int(spec.memory_bytes), matvec, by_rows,
                         attention, tuple((int(b), float(v)) for b, v in spec.bandwidth_by_bytes),
-                        tuple((int(b), float(v)) for b, v in spec.half_bandwidth_by_bytes), fits)
+                        tuple((int(b), float(v)) for b, v in spec.half_bandwidth_by_bytes), fits,
+                        tuple((int(r), float(f), float(v)) for r, f, v in spec.attention_rows_fit))
     return DeviceInfo(rates, spec.title, dict(spec.sources))
 
 

@@ -142,27 +142,20 @@ class DeviceRates:
     (``cpu-local``, :attr:`fuel.cost.spec.DeviceSpec.gemm_rows_fit`): a matrix-product call of
     several rows costs the fixed part plus its FLOPs at the rate (:meth:`matrix_call`)."""
 
-    def matrix_call(self, compute: ComputeClass, rows: int) -> tuple[float, float] | None:
-        """``(fixed ns, FLOP/s)`` of one matrix-product call of ``rows`` rows (``rows`` >= 2),
-        each interpolated in ``log2(rows)`` between the measured row counts
-        (:func:`fuel.cost.spec.rate_at_rows`), or None where the device measured no split (the
-        call is then priced at :meth:`peak`). Below the smallest measured rows the fixed part
-        shrinks in proportion: a 4-row product runs the native streaming kernel, not the
-        chunk's GEMM."""
-        fit = self.rows_fits.get(compute.value)
-        if rows < 2 or not fit:
-            return None
-        from fuel.cost.spec import rate_at_rows
+    attention_fits: tuple[tuple[int, float, float], ...] = ()
+    """Measured ``(rows, fixed ns, FLOP/s)`` of a prompt chunk's attention call where the device
+    has them (:attr:`fuel.cost.spec.DeviceSpec.attention_rows_fit`; :meth:`attention_call`)."""
 
-        rate = rate_at_rows([(r, v) for r, _, v in fit], rows)
-        if rate is None:
-            return None
-        fixed_points = [(r, f) for r, f, _ in fit if f > 0]
-        fixed = rate_at_rows(fixed_points, rows) or 0.0
-        smallest = min((r for r, _ in fixed_points), default=rows)
-        if rows < smallest:
-            fixed *= (rows - 1) / (smallest - 1)
-        return fixed, rate
+    def matrix_call(self, compute: ComputeClass, rows: int) -> tuple[float, float] | None:
+        """``(fixed ns, FLOP/s)`` of one matrix-product call of ``rows`` rows (``rows`` >= 2,
+        :func:`call_at_rows`), or None where the device measured no split (the call is then
+        priced at :meth:`peak`)."""
+        return call_at_rows(self.rows_fits.get(compute.value, ()), rows)
+
+    def attention_call(self, rows: int) -> tuple[float, float] | None:
+        """``(fixed ns, FLOP/s)`` of one prompt-chunk attention call of ``rows`` query rows
+        (:func:`call_at_rows`), or None (priced at :meth:`attention_peak`)."""
+        return call_at_rows(self.attention_fits, rows)
 
     def bandwidth_for(self, weight_bytes: float, compute: ComputeClass | None = None) -> float:
         """Bytes/s of a node whose call streams ``weight_bytes`` of weight (in the 16-bit
@@ -264,6 +257,27 @@ class Workload:
         return Workload(seqs, kv_format)
 
 
+def call_at_rows(fit: Sequence[tuple[int, float, float]], rows: int) -> tuple[float, float] | None:
+    """``(fixed ns, FLOP/s)`` of a call of ``rows`` rows (``rows`` >= 2) from ``(rows, fixed
+    ns, FLOP/s)`` measured at some row counts, each interpolated in ``log2(rows)``
+    (:func:`fuel.cost.spec.rate_at_rows`); None without a usable point. Below the smallest
+    measured rows the fixed part shrinks in proportion toward a one-row call's none (a 4-row
+    product runs the native streaming kernel, not the chunk's GEMM). Pure."""
+    if rows < 2 or not fit:
+        return None
+    from fuel.cost.spec import rate_at_rows
+
+    rate = rate_at_rows([(r, v) for r, _, v in fit], rows)
+    if rate is None:
+        return None
+    fixed_points = [(r, f) for r, f, _ in fit if f > 0]
+    fixed = rate_at_rows(fixed_points, rows) or 0.0
+    smallest = min((r for r, _ in fixed_points), default=rows)
+    if rows < smallest:
+        fixed *= (rows - 1) / (smallest - 1)
+    return fixed, rate
+
+
 @dataclass(frozen=True, slots=True)
 class NodeWork:
     """FLOPs and bytes of one node for one step; bytes split by what they are."""
@@ -283,8 +297,8 @@ class NodeWork:
     """Attention: ``matrix_rows`` are its query rows a sequence, priced at the device's
     measured attention rate at those rows where it has one."""
     calls: int = 0
-    """Matrix-product calls the node makes (one a pass; 0: not a matrix product): each pays the
-    device's fixed cost of a call at ``matrix_rows`` rows where it measured one."""
+    """Matrix-product (or prompt-chunk attention) calls the node makes, one a pass (0: neither):
+    each pays the device's fixed cost of a call at ``matrix_rows`` rows where it measured one."""
 
     @property
     def bytes(self) -> float:
@@ -293,8 +307,10 @@ class NodeWork:
     def time_ns(self, rates: DeviceRates) -> float:
         """The roofline time: the slower of moving the bytes and doing the FLOPs."""
         memory = self.bytes / rates.bandwidth_for(self.weight_bytes, self.compute) * 1e9
-        call = (rates.matrix_call(self.compute, self.matrix_rows)
-                if self.calls and not self.matvec and not self.attention and self.flops else None)
+        call = None
+        if self.calls and not self.matvec and self.flops:
+            call = (rates.attention_call(self.matrix_rows) if self.attention
+                    else rates.matrix_call(self.compute, self.matrix_rows))
         if call is not None:
             fixed, rate_at = call
             return max(memory, self.calls * fixed + self.flops / rate_at * 1e9)
@@ -457,7 +473,8 @@ def node_work(circuit: Circuit, index: int, workload: Workload, *, view: PlanVie
             query_rows = min(max(s.rows for s in workload.sequences), rows_per_pass())
             return NodeWork(flops, 0.0, io_bytes(), float(kv), input_compute(),
                             matvec=max(s.rows for s in workload.sequences) == 1,
-                            matrix_rows=query_rows, attention=True)
+                            matrix_rows=query_rows, attention=True,
+                            calls=max(passes, 1) * len(workload.sequences))
         case OpKind.KV_WRITE:
             width = _dim(circuit, node, "kv_heads") * _dim(circuit, node, "head_dim")
             written = rows * kv_token_bytes(workload.kv_format, width)
