@@ -19,6 +19,11 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
   at ~0.75 of the (cache-hot) 256-row peak they were priced at, so ``fuel plan`` predicted the
   chunk ~25% too fast (a 64-row one ~45%). A dtype whose pass would take over
   ``_ROWS_BUDGET_NS`` (fp16 here: no fast CPU path) keeps its single dense peak.
+- Fixed cost per call (``gemm_rows_fit``, ``attention_rows_fit``): at each row count a second
+  call a quarter as wide (N of the product, heads of the attention) splits a call's time into a
+  fixed part and a rate (:func:`call_fit`): a prompt chunk's GEMM and attention pay per call
+  (converting activations, gathering the cache, the threads' fork and join), so a narrow one
+  runs well below a wide one's rate. ``fuel plan`` charges each call the fixed part.
 - Attention rates by rows (``attention_rows_flops``): the prompt-chunk attention a CPU run
   calls (``fuel.jit.paged.sdpa_prefill``: the paged cache gathered through the block table,
   one causal ``scaled_dot_product_attention``), f32 (the CPU attention computes in f32 whatever
@@ -92,10 +97,12 @@ _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this,
 _CALLS_PER_SLICE = 16
 _GEMM_SHAPE = (256, 512, 512)  # (M, K, N) of the prefill-shaped product
 _GEMM_ROWS = (16, 32, 64, 128, 256)
-_NARROW = 4  # the fixed-cost fit's second product is N / _NARROW wide (see _linear_rows_rates)
 """Row counts of the matrix-rate curve: the powers of two a CPU prompt chunk runs at
 (``fuel.runtime.generate.bucket``, ``MIN_BUCKET`` to ``DEFAULT_CHUNK``); the half-steps between
 them (24, 48, 96, 192) are priced by interpolating in log2 between two measured neighbours."""
+_NARROW = 4
+"""The fixed-cost fits' second call is this many times narrower (N of a product, heads of the
+attention): see :func:`_linear_rows_rates` and :func:`_attention_rows_rates`."""
 _ROWS_SET_BYTES = 64 * 1024 * 1024
 """Bytes of distinct weights a rows pass reads (64 512x512 f32 weights, 128 in bf16): twice the
 LLC this VM reports, so the pass's weights are not all cache-resident, as a step's are not."""
@@ -106,8 +113,11 @@ between the small models fuel runs on a CPU (SmolLM2-135M: 9/3/64) and 8B-class 
 those), so it is one stated layout, not the model's."""
 _ATTENTION_BLOCK = 16
 """Positions per cache block (the engine's ``DEFAULT_BLOCK_SIZE``)."""
-_ROWS_BUDGET_NS = 1_000_000_000
-"""A dtype whose 256-row pass (weights x one call) would take longer has no rows curve."""
+_ROWS_BUDGET_NS = 250_000_000
+"""A dtype whose 256-row pass (weights x one call, both widths) would take longer has no rows
+curve. Measured here: f32 and bf16 ~0.03 s, f16 ~0.5 s (its chunk GEMM runs ~40 GFLOP/s, and
+the bake keeps the f32 recipe for f16 chunks anyway); f16's curve took ~4 s of a cold first
+token's probe."""
 _SLOW_CALL_NS = 20_000_000
 """A call slower than this is compute-bound far from the bandwidth (torch's f16 GEMM here: ~67
 ms a 256x512x512 call, at ~2 GFLOP/s): it is timed on an eighth of the rows (0.5 -> 0.15 s of
