@@ -52,7 +52,7 @@ def logical_shape(tensor: Any, format_name: str | None) -> tuple[int, ...]:
 def stored_folder(path: Path, cache: Path | None = None) -> Path:
     from fuel.runtime.weights import cache_dir, gguf_digest
 
-    key = f"{path.stem}-{gguf_digest(path)[:16]}-stored-v{STORED_VERSION}"
+    key = f"{path.stem}-{gguf_digest(path, cache)[:16]}-stored-v{STORED_VERSION}"
     return (cache or cache_dir()) / "weights" / key
 
 

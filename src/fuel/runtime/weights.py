@@ -36,7 +36,6 @@ What always holds:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -293,16 +292,18 @@ def load_weights(
     return _load_folder(folder, path, SourceKind.GGUF, dtype)
 
 
-def gguf_digest(path: Path) -> str:
-    """SHA-256 of a file's bytes (the cache key of its conversion)."""
-    from fuel.runtime.cache_integrity import file_digest
+def gguf_digest(path: Path, cache: Path | None = None) -> str:
+    """SHA-256 of a file's bytes (the cache key of its conversion), remembered under the cache
+    folder (``digests/``) by the file's identity, so a warm load does not hash the model again
+    (:func:`fuel.runtime.cache_integrity.remembered_digest`)."""
+    from fuel.runtime.cache_integrity import remembered_digest
 
-    return file_digest(path, hashlib.sha256())
+    return remembered_digest(path, (cache or cache_dir()) / "digests", "sha256")
 
 
 def converted_folder(path: Path, cache: Path | None = None) -> Path:
     """Where the conversion of the GGUF at ``path`` lives (whether or not it exists yet)."""
-    key = f"{path.stem}-{gguf_digest(path)[:16]}-v{CONVERTER_VERSION}"
+    key = f"{path.stem}-{gguf_digest(path, cache)[:16]}-v{CONVERTER_VERSION}"
     return (cache or cache_dir()) / "weights" / key
 
 
