@@ -45,6 +45,8 @@ def test_a_file_rewritten_with_the_same_size_is_hashed_again(settled):
     path.write_bytes(bytes(data))  # same size; its change time moves
     assert remembered_digest(path, memo) == hashlib.sha256(bytes(data)).hexdigest()
     assert len(hashed) == 2
+    assert len(list(memo.iterdir())) == 1  # the changed file's memo replaced the old one
+    assert remembered_digest(path, memo) and len(hashed) == 2
 
 
 def test_a_file_changed_just_now_is_hashed_every_time(settled, monkeypatch):

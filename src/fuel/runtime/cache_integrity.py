@@ -80,7 +80,8 @@ def remembered_digest(path: Path, memo_dir: Path, algorithm: str = "sha256") -> 
     98 MB GGUF took 75 ms of every load here (1.3 GB/s), so an 8B model's 4.7 GB would take
     ~3.6 s.
 
-    A memo that is missing, unreadable or for another identity is ignored and the file hashed;
+    One memo a path and algorithm (named by their hash). A memo that is missing, unreadable or for another
+    identity (the file changed) is ignored, the file hashed and the memo replaced;
     a file changed in the last two seconds is hashed every time (:data:`_MEMO_SETTLED_NS`). The
     memo is written atomically; a cache folder that cannot be written only loses the memo."""
     import hashlib
@@ -91,7 +92,8 @@ def remembered_digest(path: Path, memo_dir: Path, algorithm: str = "sha256") -> 
     stat = path.stat()
     identity = [str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size,
                 stat.st_mtime_ns, stat.st_ctime_ns, algorithm]
-    memo = memo_dir / f"{xxhash.xxh3_128(json.dumps(identity).encode()).hexdigest()}.json"
+    # One memo a path (and algorithm): a changed file replaces its memo rather than adding one.
+    memo = memo_dir / f"{xxhash.xxh3_128(f'{identity[0]}:{algorithm}'.encode()).hexdigest()}.json"
     try:
         document = json.loads(memo.read_text(encoding="utf-8"))
         digest = document["digest"]
