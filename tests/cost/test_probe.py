@@ -183,7 +183,9 @@ def test_a_16_bit_matrix_is_probed_through_the_kernel_its_prompt_chunks_run(monk
     torch.testing.assert_close(out, x.bfloat16().float() @ w.float().T, rtol=2e-2, atol=2e-2)
     linear(x[:1], w)  # a decode row: the native streaming kernel, as the runtime's
     assert len(called) == 1
-    assert probe._linear_kernel(torch, torch.float32) is not linear
+    chunk = torch.randn(STREAM_ROWS + 1, 64)
+    probe._linear_kernel(torch, torch.float32)(chunk, torch.randn(32, 64))  # f32: its own entry
+    assert len(called) == 1
 
 
 def test_the_rows_curve_spans_the_prompt_chunk_sizes_a_run_pads_to():

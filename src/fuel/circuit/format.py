@@ -257,7 +257,6 @@ def row_layout(format_name: str | None) -> str | None:
     return None
 
 
-
 BF16 = Format(FormatKind.BF16)
 F16 = Format(FormatKind.F16)
 F32 = Format(FormatKind.F32)

@@ -33,8 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 from fuel.circuit.format import (
-    GGUF_BLOCKS, HALF_ROWS, INT8_CHANNEL_LAYOUT, INT8_ROWS, Format, FormatError, gguf_format, parse,
-    row_bytes,
+    GGUF_BLOCKS, HALF_ROWS, INT8_CHANNEL_LAYOUT, ROW_LAYOUTS, Format, FormatError,
+    gguf_format, parse, row_bytes,
 )
 from fuel.errors import FuelError
 
@@ -73,13 +73,10 @@ def format_of_gguf_type(type_name: str) -> Format | None:
 def block_shape(layout: str) -> tuple[int, int]:
     """``(elements per block, bytes per block)`` of a llama.cpp block layout (or a half layout,
     or ``int8_channel``: one byte per element, the row's scale its tail)."""
-    if layout in HALF_LAYOUTS:
-        return HALF_LAYOUTS[layout]
-    if layout in INT8_ROWS:
-        return INT8_ROWS[layout]
-    if layout not in GGUF_BLOCKS:
+    shape = ROW_LAYOUTS.get(layout)
+    if shape is None:
         raise FormatError(f"unknown llama.cpp block format `{layout}`")
-    return GGUF_BLOCKS[layout]
+    return shape
 
 
 def packed_row_bytes(layout: str, cols: int) -> int:

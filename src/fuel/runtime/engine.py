@@ -178,18 +178,17 @@ class FeedBuffers:
     batch at a time), so the next step may overwrite them: what a step returns (logits, tokens,
     routed expert ids) is computed, never one of these buffers."""
 
-    def __init__(self) -> None:
+    def __init__(self, torch: Any) -> None:
+        self._from_numpy = torch.from_numpy
         self._buffers: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, Any]] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, Any]:
         """(array, tensor sharing its memory) for feed ``name`` of ``shape`` and ``dtype``."""
-        import torch
-
         key = (name, shape)
         entry = self._buffers.get(key)
         if entry is None or entry[0].dtype != dtype:
             array = np.empty(shape, dtype=dtype)
-            entry = self._buffers[key] = (array, torch.from_numpy(array))
+            entry = self._buffers[key] = (array, self._from_numpy(array))
         return entry
 
     def ints(self, name: str, values: Sequence[int]) -> Any:
@@ -252,7 +251,7 @@ class Engine:
         self.tables = {section: BlockTables(self.num_blocks, block_size) for section in Section}
         self._caches: dict[str, torch.Tensor] = {}
         self._program_caches: dict[int, dict[str, torch.Tensor]] = {}
-        self._feed_buffers = FeedBuffers()
+        self._feed_buffers = FeedBuffers(torch)
         self._plans: dict[tuple[Mode, int, str], FusionPlan] = {}
         self._programs: dict[tuple[str, StepShape], StepProgram] = {}
         self.stats = EngineStats()
