@@ -153,6 +153,38 @@ def test_quantized_products_of_one_activation_round_it_once_with_the_unfused_res
     torch.testing.assert_close(a[other], reference, rtol=0.05, atol=0.05)  # 8-bit activations
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_a_parallel_fused_step_gives_every_tile_once_whoever_takes_it(monkeypatch, threads):
+    """Products big enough to share out (three of one activation, 1,000 tiles' worth), run with
+    more threads than this machine has cores, so that a preempted thread's tiles are taken from
+    the back of its share by another: every output row is computed once, exactly as the
+    unfused products compute it, on every run."""
+    g = Graph()
+    x = g.input("x", [1, 256], F32)
+    sizes = (("wq", 5000), ("wk", 1000), ("wv", 10003))
+    products = [g.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(), x,
+                        g.weight(name, [rows, 256], F32)) for name, rows in sizes]
+    gen = torch.Generator().manual_seed(3)
+    weights = {name: torch.randn(rows, 256, generator=gen) for name, rows in sizes}
+    fused = compile_program(g, lower(g, products), TABLE, weights=weights)
+    assert fused.native.layout == ("matmul x3",)
+    monkeypatch.setenv("FUEL_FUSED_STEPS", "0")
+    plain = compile_program(g, lower(g, products), TABLE, weights=weights)
+    feed = {"x": torch.randn(1, 256, generator=gen)}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = plain.run(feed)
+        torch.set_num_threads(threads)
+        for _ in range(20):
+            got = fused.run(feed)
+            assert all(torch.equal(got[p], expected[p]) for p in products)
+    finally:
+        torch.set_num_threads(before)
+    reference = feed["x"] @ weights["wv"].T
+    torch.testing.assert_close(expected[products[2]], reference, rtol=1e-4, atol=1e-4)
+
+
 def test_a_product_is_not_moved_past_a_step_that_writes_its_activations():
     from fuel.runtime import native_steps as ns
 
