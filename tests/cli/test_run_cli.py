@@ -111,3 +111,25 @@ def test_prompt_longer_than_the_cache_is_one_error_line(capsys, smollm2_weights)
     assert main(["run", "-p", "word " * 40, "-n", "4", "--max-context", "32"]) == 2
     err = _error_line(capsys)
     assert "at most 32" in err
+
+
+@pytest.mark.slow
+def test_a_bf16_run_without_the_native_kernels_runs_on_torch_and_says_why(fuel_cache,
+                                                                          smollm2_weights):
+    """No C compiler (here: ``FUEL_NATIVE=0``, in a new process, as the library loads once per
+    process): the 16-bit matrices' rows run through torch (oneDNN multiplies like dtypes only,
+    so the f32 activations are rounded to bf16 first), and the report says the native kernels
+    were not there and why."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FUEL_NATIVE="0", FUEL_CACHE_DIR=str(fuel_cache))
+    done = subprocess.run([sys.executable, "-m", "fuel", "run", "--dtype", "bf16", "-n", "4",
+                           "--threads", "2", "--json", "-p", "Name a planet."],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    report = json.loads(done.stdout)
+    assert report["native_kernels"] == {"available": False, "reason": "disabled by FUEL_NATIVE=0"}
+    assert len(report["tokens"][0]) == 4 and report["decode_tokens_per_s"] > 0

@@ -282,6 +282,10 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         live = _count(len(branches), "live branch", "live branches")
         rows.append(("routes", f"{live} routed per step by the route picker, on "
                                f"{', '.join(devices)}"))
+    native = result.get("native_kernels") or {}
+    if native.get("available") is False:
+        rows.append(("native", f"kernels unavailable ({native['reason']}): every step runs "
+                               "torch's kernels node by node, several times slower"))
     jit = result.get("jit") or {}
     if not jit.get("enabled"):
         rows.append(("jit", jit.get("note", "off")))

@@ -485,12 +485,19 @@ def _fused_linear(node: Node):
         if layout is LinearLayout.CHECKPOINT:
             return F.linear(x, w, bias)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        # f32 activations against a 16-bit matrix (a bf16/f16 run's rows without the native
+        # kernel): rounded to the matrix's format, as half_chunk_linear and a 16-bit
+        # reference round them (torch multiplies like dtypes only); the result in x's dtype.
+        rows = rows if rows.dtype == w.dtype else rows.to(w.dtype)
+        if bias is not None and bias.dtype != w.dtype:
+            bias = bias.to(w.dtype)
         if layout is LinearLayout.ONEDNN_PACKED:
             out = torch.ops.mkldnn._linear_pointwise(rows, prepared, bias, "none", [], "")
         elif bias is None:
             out = torch.mm(rows, prepared)
         else:
             out = torch.addmm(bias, rows, prepared)
+        out = out if out.dtype == x.dtype else out.to(x.dtype)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
     if node.op.params.has_bias:
         return linear

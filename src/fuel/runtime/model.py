@@ -214,6 +214,7 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
         "routes": route_report(stats),
         "jit": _jit_report(model),
         "weights": _weights_report(model),
+        "native_kernels": _native_report(),
     }
     experts = expert_load(stats)
     if experts:
@@ -233,6 +234,18 @@ def route_report(stats: Any) -> list[dict[str, Any]]:
     return [{"mode": mode, "branch": branch, "arm": arm, "device": device, "reason": reason,
              "steps": count}
             for (mode, branch, arm, device, reason), count in sorted(stats.routes.items())]
+
+
+def _native_report() -> dict[str, Any]:
+    """Whether fuel's native CPU kernels (``fuel.kernels.native``: the decode step as one call,
+    the quantized and 16-bit matrix-vector kernels) ran here, and if not, why (without them
+    every step runs torch's kernels node by node, several times slower)."""
+    from fuel.kernels import native
+
+    lib = native.load()
+    if isinstance(lib, native.Unavailable):
+        return {"available": False, "reason": lib.reason}
+    return {"available": True, "reason": None}
 
 
 def _weights_report(model: Model) -> dict[str, Any]:
