@@ -220,9 +220,14 @@ INLINE __m256 block_dot(int fmt, const uint8_t *b, const float *x) {
    (software prefetch into L1). A thread's share of a product is one contiguous run of rows, so
    the address STREAM_AHEAD bytes on is the weight it reads a few microseconds later. Measured
    on a SmolLM2 Q4_1 decode step (2 threads, weights from memory): 1 KiB ahead streamed
-   ~17-23 GB/s, 4-8 KiB ahead ~30-35 GB/s, the step 4.9-6.2 -> 3.1-3.7 ms. */
+   ~17-23 GB/s, 4 KiB ahead ~30-35 GB/s, the step 4.9-6.2 -> 3.1-3.7 ms. Later, when the host's
+   memory answered more slowly, 4 KiB was too short: interleaved A/B of the same step at a
+   fixed context (20-24 rounds, every round faster): 6, 8 or 10 KiB 0.63-0.68x of 4 KiB's time,
+   12 KiB 0.66x, 16 KiB 0.69x, 24 KiB 0.72x; a second, L2-only hint (T1/T2) at 16-32 KiB on top
+   of 4 KiB 0.76-0.80x. The dense kernels (their own PREFETCH_ROWS distance) did not move with
+   it. 8 KiB: the middle of the flat stretch. */
 #ifndef STREAM_AHEAD
-#define STREAM_AHEAD 4096
+#define STREAM_AHEAD 8192
 #endif
 
 /* Every line of [p, p + bytes) requested into cache (a hint: no fault, no effect on results). */
