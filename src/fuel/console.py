@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 
 LOADS_A_MODEL = frozenset({"run", "demo", "serve"})
 """Commands whose start-up ends when their model is loaded (they call :func:`startup_done`; a
@@ -36,6 +37,7 @@ _held = False
 def main() -> int:
     """The console script: run the CLI with the collector held off until start-up ends."""
     hold()
+    warnings.formatwarning = _warning_line
     try:
         from fuel.cli.app import main as cli_main
 
@@ -45,6 +47,12 @@ def main() -> int:
         return cli_main(args)
     finally:
         startup_done()
+
+
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as the CLI prints it: one line naming what to fix (fuel's warnings name the
+    file and the reason), not Python's two (the source line that raised it)."""
+    return f"warning: {message}\n"
 
 
 def hold() -> None:

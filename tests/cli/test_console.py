@@ -113,3 +113,21 @@ def test_a_tensor_parallel_run_coordinates_with_the_collector_on():
         print(json.dumps(dict(record, status=status)))
     """)
     assert seen == {"coordinating": True, "status": 0}
+
+
+def test_a_warning_prints_as_one_line_naming_what_to_fix():
+    """``fuel``'s warnings (an unreadable cache file it skips) print as one ``warning:`` line,
+    without Python's echo of the source line that raised it."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys, warnings
+        import fuel.cli.app as app
+        from fuel import console
+        def fake_main(args):
+            warnings.warn("/x/probe.json: ignoring unreadable probe cache; re-probing")
+            return 0
+        app.main = fake_main
+        sys.argv = ["fuel", "plan", "smollm2-135m"]
+        sys.exit(console.main())
+    """)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    assert out.stderr == "warning: /x/probe.json: ignoring unreadable probe cache; re-probing\n"
