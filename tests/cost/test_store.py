@@ -79,9 +79,11 @@ def test_a_truncated_store_is_detected(tmp_path):
 def test_a_file_that_is_not_sqlite_is_detected(tmp_path):
     path = tmp_path / "j.sqlite"
     path.write_bytes(b"this is not a database at all" * 100)
-    with pytest.raises(StoreCorruptError, match="not a SQLite database"):
+    with pytest.raises(StoreCorruptError, match="not a SQLite database") as raised:
         JudgeStore.open(path)
     assert path.read_bytes().startswith(b"this is not")  # never overwritten
+    # ... and the one error line says how to recover (fuel never deletes a file it cannot read)
+    assert "move it aside or delete it" in str(raised.value)
 
 
 def test_a_store_of_another_schema_version_is_refused(tmp_path):

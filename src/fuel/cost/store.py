@@ -71,7 +71,13 @@ class JudgeStoreError(FuelError):
 
 
 class StoreCorruptError(JudgeStoreError):
-    """The file is not a readable SQLite database (truncated, overwritten, damaged)."""
+    """The file is not a readable SQLite database (truncated, overwritten, damaged). The
+    message says how to recover (fuel never deletes it: a mistyped ``--store`` may name any
+    file); the measurements are re-taken as runs need them."""
+
+    def __init__(self, path: Path, detail: str):
+        super().__init__(path, f"{detail}; move it aside or delete it, and an empty store is "
+                               "made in its place (runs measure again what they need)")
 
 
 class StoreVersionError(JudgeStoreError):
