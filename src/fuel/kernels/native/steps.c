@@ -234,12 +234,13 @@ static int run_fused(const fuel_step *s, void *const *table, int threads) {
            its end (high 32 bits), moved by compare-and-swap. */
         enum { TEAMS_MAX = 64 };
         const int teams = threads < TEAMS_MAX ? threads : TEAMS_MAX;
-        _Atomic uint64_t claims[TEAMS_MAX];
+        /* one cache line a share: an owner's claims do not pull its neighbour's line away */
+        struct { _Alignas(64) _Atomic uint64_t word; } claims[TEAMS_MAX];
         for (int i = 0; i < teams; i++) {
             const int64_t q = tiles / teams, r = tiles % teams;
             const uint64_t lo = (uint64_t)(i * q + (i < r ? i : r));
             const uint64_t hi = lo + (uint64_t)q + (i < r ? 1 : 0);
-            atomic_init(&claims[i], lo | (hi << 32));
+            atomic_init(&claims[i].word, lo | (hi << 32));
         }
         #pragma omp parallel num_threads(teams)
         {
@@ -248,7 +249,7 @@ static int run_fused(const fuel_step *s, void *const *table, int threads) {
             /* every share, own first (a runtime that gave fewer threads leaves some unowned:
                they are taken from the back) */
             for (int k = 0; k < teams; k++) {
-                _Atomic uint64_t *claim = &claims[(me + k) % teams];
+                _Atomic uint64_t *claim = &claims[(me + k) % teams].word;
                 for (;;) {
                     uint64_t v = atomic_load_explicit(claim, memory_order_relaxed);
                     const uint64_t front = v & 0xffffffffu, end = v >> 32;
