@@ -231,3 +231,25 @@ def test_bf16_cache_stores_bf16():
     cache.tables.add(0)
     cache.write(0, cache.tables.append(0, 1), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     assert cache.keys[0].dtype == torch.bfloat16 and float(cache.keys[0].sum()) == 2.0
+
+
+def test_a_kv_cache_is_zero_and_only_its_written_pages_become_resident():
+    """The engine's caches come from the kernel's zeroed pages (``engine.zeroed_pages``): all
+    zeros, writable, and a cache sized for a long context costs memory only where a run writes
+    (``torch.zeros`` wrote, and made resident, every byte before the first token)."""
+    import resource
+
+    import torch
+
+    from fuel.runtime.engine import zeroed_pages
+
+    def resident_mb() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
+
+    before = resident_mb()
+    caches = [zeroed_pages(torch, (512, 16, 3, 64), torch.bfloat16) for _ in range(40)]  # 126 MB
+    assert resident_mb() - before < 16
+    assert all(cache.dtype == torch.bfloat16 and not cache.any() for cache in caches[:2])
+    caches[0][3, 5] = 1.5  # a written row reads back; its neighbours stay zero
+    assert caches[0][3, 5].eq(1.5).all() and caches[0].sum().item() == 1.5 * 3 * 64
