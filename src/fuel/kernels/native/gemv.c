@@ -749,6 +749,9 @@ void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, con
 /* Weight rows a scheduling unit (the tiles every product here is split into). */
 int64_t fuel_matmul_tile(void) { return TILE; }
 
+/* prefetch_span for the step list (steps.c): the first bytes of a new run of weight rows. */
+void fuel_prefetch(const void *p, int64_t bytes) { prefetch_span(p, bytes); }
+
 int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
                 int64_t K, int64_t row_bytes, int threads) {
     float *xs = NULL;

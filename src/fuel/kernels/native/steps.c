@@ -17,9 +17,6 @@
    caller runs the program again step by step, which raises the precise error. */
 #include <math.h>
 #include <stdatomic.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,6 +59,7 @@ int fuel_matmul_prepare(int fmt, const float *x, int64_t M, int64_t K, float **x
 void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, const float *xs,
                       int64_t M, int64_t N, int64_t K, int64_t row_bytes, int64_t n0, int64_t n1);
 int64_t fuel_matmul_tile(void);
+void fuel_prefetch(const void *p, int64_t bytes);
 int omp_get_thread_num(void);
 void *fuel_q8_prepare(int fmt, const float *x, int64_t M, int64_t K);
 void fuel_q8_release(void *rows);
@@ -164,14 +162,6 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
    256 KiB 1.07x; f32 and bf16 steps (16 KiB) 0.98-1.01x. */
 #define RUN_AHEAD 32768
 
-static inline void prefetch_run(const uint8_t *p, int64_t bytes) {
-#ifdef __AVX2__
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
-#else
-    (void)p; (void)bytes;
-#endif
-}
-
 /* A fused step: up to FUSED_MAX products of one activation x[M, K] by weights of one format
    (slot 0: x; slots 1..4 the weights, 5..8 the outputs; n: fmt, 8-bit activations, M, K, count,
    N[4], row_bytes[4], epilogue length), their tiles shared out in ONE parallel region (the
@@ -209,7 +199,7 @@ static int run_fused(const fuel_step *s, void *const *table, int threads) {
         const uint8_t *w = (const uint8_t *)table[s->slot[1 + j]] + s->offset[1 + j];         \
         if ((t) != run_last + 1 || j != run_product) {  /* a new run of rows (RUN_AHEAD) */     \
             int64_t span = (N - n0) * n[9 + j];                                                 \
-            prefetch_run(w + n0 * n[9 + j], span < RUN_AHEAD ? span : RUN_AHEAD);              \
+            fuel_prefetch(w + n0 * n[9 + j], span < RUN_AHEAD ? span : RUN_AHEAD);             \
         }                                                                                       \
         run_last = (t);                                                                         \
         run_product = j;                                                                        \
