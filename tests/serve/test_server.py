@@ -228,6 +228,10 @@ MALFORMED = [
     (b'{"model": "tiny", "prompt": ["a", "b"]}', None, "prompt"),
     (b'{"model": "tiny", "prompt": ""}', "invalid_prompt", "prompt"),
     (b'{"model": "tiny", "prompt": "a", "logprobs": 50}', None, "logprobs"),
+    # JSON allows a lone surrogate escape; it is no character, so no tokenizer takes it
+    (b'{"model": "tiny", "prompt": "a\\ud800b"}', None, "prompt"),
+    (b'{"model": "tiny", "prompt": ["\\udfff"]}', None, "prompt"),
+    (b'{"model": "tiny", "prompt": "a", "stop": ["\\udc00"]}', None, "stop"),
 ]
 
 
@@ -249,6 +253,8 @@ def test_malformed_completion_bodies_get_an_openai_400(server, body, code, param
     (b'{"model": "tiny", "messages": []}', 400),
     (b'{"model": "tiny", "messages": [{"role": "wizard", "content": "a"}]}', 400),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', 400),
     (b'{"model": "other", "messages": [{"role": "user", "content": "a"}]}', 404),
 ])
 def test_malformed_chat_bodies_get_an_openai_4xx(server, body, status):

@@ -24,6 +24,18 @@ class Unsupported(ValueError):
         super().__init__(detail)
 
 
+def checked_text(text: str, param: str) -> str:
+    """``text`` when it is Unicode text; a lone surrogate (JSON allows the escape ``\\ud800``,
+    which is no character and cannot be encoded or tokenized) is refused naming the field and
+    where it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise Unsupported(param, f"`{param}` holds a lone surrogate (U+{ord(text[error.start]):04X}) "
+                                 f"at character {error.start}: not Unicode text") from None
+    return text
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -60,6 +72,7 @@ class _Sampling(BaseModel):
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         self._common()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = [checked_text(text, "stop") for text in stop]
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -98,7 +111,7 @@ class CompletionRequest(_Sampling):
             if len(prompt) != 1:
                 raise Unsupported("prompt", f"{len(prompt)} prompts in one request: send one per request")
             prompt = prompt[0]
-        return prompt
+        return checked_text(prompt, "prompt") if isinstance(prompt, str) else prompt
 
 
 class TextPart(BaseModel):
@@ -115,15 +128,15 @@ class ChatMessage(BaseModel):
     def text(self, index: int) -> str:
         if self.content is None:
             return ""
+        param = f"messages[{index}].content"
         if isinstance(self.content, str):
-            return self.content
+            return checked_text(self.content, param)
         parts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise Unsupported(f"messages[{index}].content",
-                                  f"content part of type {part.type!r}: only text parts are supported")
+                raise Unsupported(param, f"content part of type {part.type!r}: only text parts are supported")
             parts.append(part.text)
-        return "".join(parts)
+        return checked_text("".join(parts), param)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -145,4 +158,5 @@ class ChatCompletionRequest(_Sampling):
         return self.top_logprobs or 0
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "Unsupported"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "Unsupported",
+           "checked_text"]
