@@ -187,11 +187,12 @@ class GgufModel:
             yield name, array
 
     def required_int(self, suffix: str) -> int:
-        """``{arch}.{suffix}`` as an int; a missing key is an error naming it."""
+        """``{arch}.{suffix}`` as an int; a missing key, or a value that is no integer, is an
+        error naming it."""
         key = f"{self.architecture}.{suffix}"
         if key not in self.metadata:
             raise UnsupportedGguf(str(self.path), key, "required hyper-parameter is missing")
-        return int(self.metadata[key])
+        return _metadata_int(self.metadata, key, str(self.path))
 
     def required_float(self, suffix: str) -> float:
         key = f"{self.architecture}.{suffix}"
@@ -374,16 +375,21 @@ def hf_config(model: GgufModel) -> dict[str, Any]:
     arch = model.architecture
     heads = model.required_int("attention.head_count")
     hidden = model.required_int("embedding_length")
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    if "tokenizer.ggml.tokens" in meta:
-        vocab_size = int(meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])))
-    else:
+    if f"{arch}.attention.key_length" in meta:
+        head_dim = _metadata_int(meta, f"{arch}.attention.key_length", path)
+    else:  # a head count of 0 is refused below, with the other values, by the config's checks
+        head_dim = hidden // heads if heads > 0 else 0
+    if f"{arch}.vocab_size" in meta or "tokenizer.ggml.tokens" not in meta:
         vocab_size = model.required_int("vocab_size")
+    else:
+        vocab_size = len(meta["tokenizer.ggml.tokens"])
+    kv_key = f"{arch}.attention.head_count_kv"
+    kv_heads = _metadata_int(meta, kv_key, path) if kv_key in meta else heads
     config: dict[str, Any] = dict(CONFIG_KEYS_NOT_IN_GGUF)
     config.update(
         architectures=["LlamaForCausalLM"],
-        bos_token_id=_optional_int(meta, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_optional_int(meta, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=_optional_int(meta, "tokenizer.ggml.bos_token_id", path),
+        eos_token_id=_optional_int(meta, "tokenizer.ggml.eos_token_id", path),
         head_dim=head_dim,
         hidden_size=hidden,
         intermediate_size=model.required_int("feed_forward_length"),
@@ -391,7 +397,7 @@ def hf_config(model: GgufModel) -> dict[str, Any]:
         model_type="llama",
         num_attention_heads=heads,
         num_hidden_layers=model.required_int("block_count"),
-        num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        num_key_value_heads=kv_heads,
         rms_norm_eps=model.required_float("attention.layer_norm_rms_epsilon"),
         rope_scaling=_rope_scaling(meta, arch, path),
         rope_theta=_rope_theta(meta.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -400,16 +406,41 @@ def hf_config(model: GgufModel) -> dict[str, Any]:
         torch_dtype="float32",
         vocab_size=vocab_size,
     )
-    pad = _optional_int(meta, "tokenizer.ggml.padding_token_id")
+    pad = _optional_int(meta, "tokenizer.ggml.padding_token_id", path)
     if pad is not None:
         config["pad_token_id"] = pad
-    rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    config = dict(sorted(config.items()))
+    # The config's own checks (positive sizes, kv heads dividing q heads, ...) before any tensor
+    # is read: the tensors are un-permuted by these head counts.
+    from fuel.circuit.config_map import ConfigRefused, shape_from_config
+
+    try:
+        shape_from_config(config, path)
+    except ConfigRefused as refused:
+        # named by the GGUF key the value came from (the config key beside it)
+        gguf_key = _GGUF_KEY_OF.get(refused.key or "")
+        if gguf_key is None:
+            raise
+        raise UnsupportedGguf(path, f"{arch}.{gguf_key}",
+                              f"(config `{refused.key}`) {refused.detail}") from None
+    rope_key = f"{arch}.rope.dimension_count"
+    rope_dims = _metadata_int(meta, rope_key, path) if rope_key in meta else None
+    if rope_dims is not None and rope_dims != head_dim:
         raise UnsupportedGguf(
-            path, f"{arch}.rope.dimension_count",
+            path, rope_key,
             f"partial rotary ({rope_dims} of {head_dim} head dims) has no LlamaConfig spelling",
         )
-    return dict(sorted(config.items()))
+    return config
+
+
+_GGUF_KEY_OF = {
+    "num_hidden_layers": "block_count", "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+    "vocab_size": "vocab_size", "head_dim": "attention.key_length",
+}
+"""The ``{arch}.*`` GGUF key each config value :func:`hf_config` writes comes from."""
 
 
 def _rope_theta(value: Any) -> int | float:
@@ -420,8 +451,17 @@ def _rope_theta(value: Any) -> int | float:
     return int(theta) if theta.is_integer() else theta
 
 
-def _optional_int(meta: Mapping[str, Any], key: str) -> int | None:
-    return int(meta[key]) if key in meta else None
+def _optional_int(meta: Mapping[str, Any], key: str, path: str = "") -> int | None:
+    return _metadata_int(meta, key, path) if key in meta else None
+
+
+def _metadata_int(meta: Mapping[str, Any], key: str, path: str) -> int:
+    """An integer metadata value; a float (2.5 layers), string or list there is an error naming
+    the key, never truncated or parsed (llama.cpp refuses a key of the wrong type too)."""
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UnsupportedGguf(path, key, f"is {value!r} ({type(value).__name__}), not an integer")
+    return value
 
 
 def _rope_scaling(meta: Mapping[str, Any], arch: str, path: str) -> dict[str, Any] | None:

@@ -241,8 +241,21 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], *, source: str) ->
     if template is not None and not isinstance(template, str):
         raise UnsupportedTokenizer(source, "tokenizer.chat_template",
                                    f"expected a string, got {type(template).__name__}")
-    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    tokens = metadata["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise UnsupportedTokenizer(source, "tokenizer.ggml.tokens", "expected a non-empty list of strings")
+    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise UnsupportedTokenizer(source, "tokenizer.ggml.token_type",
+                                   f"expected one type per token ({len(tokens)}), got "
+                                   f"{len(types) if isinstance(types, list) else type(types).__name__}")
+    raw_merges = metadata["tokenizer.ggml.merges"]
+    if not isinstance(raw_merges, list) or not all(isinstance(m, str) for m in raw_merges):
+        raise UnsupportedTokenizer(source, "tokenizer.ggml.merges", "expected a list of strings")
+    for index, merge in enumerate(raw_merges):
+        if len(merge.split(" ")) != 2:
+            raise UnsupportedTokenizer(source, "tokenizer.ggml.merges",
+                                       f"merge {index} ({merge!r}) is not two tokens separated by one space")
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     # A token written with characters outside the byte alphabet is spelled out byte by byte, as
@@ -251,8 +264,14 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], *, source: str) ->
         token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8")): index
         for index, token in enumerate(tokens)
     }
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    merges = [tuple(merge.split(" ", 1)) for merge in raw_merges]
+    try:
+        model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    except Exception as error:  # noqa: BLE001 — tokenizers raises a bare Exception for a bad BPE
+        # e.g. "Token `zz` out of vocabulary": a merge naming a token the list lacks
+        raise UnsupportedTokenizer(source, "tokenizer.ggml.merges",
+                                   f"the BPE tokenizer does not build: {error}") from None
+    backend = Backend(model)
 
     splits = PRE_TOKENIZER_SPLITS[pre]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -278,7 +297,9 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], *, source: str) ->
         index = metadata.get(f"tokenizer.ggml.{key}")
         if index is None:
             return None
-        if not 0 <= int(index) < len(tokens):
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise UnsupportedTokenizer(source, f"tokenizer.ggml.{key}", f"is {index!r}, not a token id")
+        if not 0 <= index < len(tokens):
             raise UnsupportedTokenizer(source, f"tokenizer.ggml.{key}", f"id {index} is outside the vocabulary")
         return tokens[int(index)]
 
