@@ -109,3 +109,24 @@ def test_a_bad_dtype_or_weight_format_is_one_line(args, needle, capsys):
     assert main(["plan", "smollm2-135m", "--device", "h100-sxm", *args]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_group_size_that_does_not_tile_a_row_is_refused_naming_the_config_key(
+        tmp_path, capsys, method):
+    """An int4 checkpoint whose group does not divide a row (SmolLM2's 576 by 128) has no size
+    in that format: one error line naming the config file and ``quantization_config.group_size``,
+    never a size rounded up."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+              "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "num_hidden_layers": 2, "vocab_size": 49152, "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-5, "rope_theta": 100000, "tie_word_embeddings": True,
+              "hidden_act": "silu", "torch_dtype": "bfloat16", "head_dim": 64,
+              "quantization_config": {"quant_method": method, "bits": 4, "group_size": 128}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", "--config", str(path), "--device", "h100-sxm"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"{path}: key `quantization_config.group_size`" in err and "int4/g128" in err
+    assert "not a multiple of 128" in err

@@ -105,7 +105,7 @@ def plan_command(
         tables = tuple(RowTable.parse(t) for t in (table or DEFAULT_TABLES))
     except RowTableError as error:
         raise InputError("command line", "--table", str(error)) from None
-    from fuel.circuit.format import FormatError
+    from fuel.circuit.format import FormatError, UnsizedFormat
     from fuel.circuit.format import parse as parse_format
     from fuel.report.build import in_dtype
 
@@ -137,7 +137,11 @@ def plan_command(
                             measured_experts=read_expert_load(experts_from) if experts_from else None)
     name = model if model is not None else str(config)
     info = device_info(spec)
-    doc = build_report(name, circ, info, choice, policy, options)
+    try:
+        doc = build_report(name, circ, info, choice, policy, options)
+    except UnsizedFormat as error:
+        # a group scale that does not tile a row: named where the format came from
+        raise _unsized_source(error, config, weights) from None
     if tp > 1 or pp > 1 or nodes > 1:
         from fuel.cli.plan_parallel import parallel_doc
 
@@ -162,3 +166,21 @@ def plan_command(
         reasons = {c["mode"]: c["reason"] for c in reversed(doc["coverage"])
                    if not c["planned"] and c["mode"] in missing}
         raise ServeGap(missing, reasons)
+
+
+def _unsized_source(error: Exception, config: Path | None, weights: str | None) -> Exception:
+    """An :class:`~fuel.circuit.format.UnsizedFormat` as an input error naming what chose the
+    format: ``--weights`` (it sets every weight's format), or else the config's
+    ``quantization_config`` (its ``group_size``); unchanged when neither did (a circuit file's
+    own format). ``--dtype`` is never grouped (bf16, f16 or f32)."""
+    if weights is not None:
+        return InputError("--weights", weights, str(error))
+    if config is not None:
+        try:
+            quant = json.loads(Path(config).read_text(encoding="utf-8")).get("quantization_config")
+        except (OSError, ValueError, AttributeError):
+            quant = None
+        if isinstance(quant, dict):
+            key = "group_size" if "group_size" in quant else ""
+            return InputError(str(config), f"quantization_config.{key}".rstrip("."), str(error))
+    return error
