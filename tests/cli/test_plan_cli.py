@@ -130,3 +130,17 @@ def test_a_group_size_that_does_not_tile_a_row_is_refused_naming_the_config_key(
     assert "Traceback" not in err
     assert f"{path}: key `quantization_config.group_size`" in err and "int4/g128" in err
     assert "not a multiple of 128" in err
+
+
+def test_a_weights_file_of_another_model_is_refused_naming_a_tensor_it_lacks(
+        tmp_path, capsys):
+    """``--weights`` prices the file's stored formats; a file that is not this model's (here a
+    2-layer GGUF against SmolLM2's 30 layers) is one error naming the file and a tensor the
+    model reads that it lacks, never a plan with some weights in its formats and the rest not."""
+    from tests.runtime.conftest import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "other.gguf").path
+    assert main(["plan", "smollm2-135m", "--device", "h100-sxm", "--weights", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"error: {path}: (--weights) holds no tensor `model.layers.2." in err
