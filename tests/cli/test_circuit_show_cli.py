@@ -93,3 +93,32 @@ def test_uncovered_points_at_explain(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "no applicable rule covers node `embed.embed` (embed) in decode at 1 rows" in err
     assert "--explain" in err
+
+
+def test_show_with_weights_names_each_groups_stored_formats(capsys):
+    """``--weights`` (the shipped Q4_1 GGUF): each group says the formats of the weights it
+    reads, in the text and the JSON; the plan itself (its digest) is the same."""
+    from fuel.runtime.weights import default_model_path
+
+    gguf = str(default_model_path())
+    assert main(["circuit", "show", "smollm2-135m", "--weights", gguf]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    qkv = next(ln for ln in lines if "[q, k, v]" in ln)
+    assert qkv.endswith("weights=gguf/q4_1")
+    assert next(ln for ln in lines if "[embed]" in ln).endswith("weights=gguf/q8_0")
+    assert not next(ln for ln in lines if "[attn]" in ln).count("weights=")  # reads no weight
+    assert main(["circuit", "show", "smollm2-135m", "--weights", gguf, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {tuple(g["weight_formats"]) for g in doc["groups"]} >= {("gguf/q4_1",), ("f32",), ()}
+    assert main(["circuit", "show", "smollm2-135m", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["digest"] == doc["digest"] and "weight_formats" not in plain["groups"][0]
+
+
+def test_show_with_another_models_weights_is_one_error_naming_a_missing_tensor(tmp_path, capsys):
+    from tests.runtime.conftest import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "other.gguf").path
+    assert main(["circuit", "show", "smollm2-135m", "--weights", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"error: {path}: (--weights) holds no tensor" in err

@@ -123,3 +123,17 @@ def test_the_json_record_of_a_baked_branch_has_every_arm_and_validates():
 def test_verify_batch_needs_a_table_in_one_line(capsys):
     assert main(["explain", "smollm2-135m", "--mode", "verify_batch", "--spec", "h100-sxm"]) == 2
     assert "--table" in capsys.readouterr().err
+
+
+def test_explain_with_another_models_weights_is_one_error_naming_a_missing_tensor(tmp_path,
+                                                                                   capsys):
+    """``--weights`` of another model's GGUF (2 layers against SmolLM2's 30) is refused naming
+    the file and a tensor it lacks, before a step is lowered against its shapes (which failed
+    as ``op `slice`: slice 0:576 out of range for extent 16``)."""
+    from tests.runtime.conftest import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "other.gguf").path
+    assert main(["explain", "smollm2-135m", "--mode", "decode", "--device", "cpu",
+                 "--weights", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"error: {path}: (--weights) holds no tensor" in err

@@ -36,7 +36,15 @@ def _kernels_text(group: Group) -> str:
     return ", ".join(map(str, group.kernels)) if group.kernels else "(host)"
 
 
-def group_line(circuit: Circuit, plan: FusionPlan, g: int) -> str:
+def group_weight_formats(circuit: Circuit, group: Group) -> list[str]:
+    """The stored formats of the weights a group's nodes read, in node order, once each."""
+    return list(dict.fromkeys(circuit.nodes[n].weight_format.name() for n in group.nodes
+                              if circuit.nodes[n].weight_format is not None))
+
+
+def group_line(circuit: Circuit, plan: FusionPlan, g: int, weights: bool = False) -> str:
+    """One group as ``render_plan`` prints it; ``weights``: with the stored formats of the
+    weights it reads (``weights=gguf/q4_1``)."""
     group = plan.groups[g]
     first = circuit.nodes[group.nodes[0]]
     block = circuit.blocks[first.block]
@@ -53,12 +61,17 @@ def group_line(circuit: Circuit, plan: FusionPlan, g: int) -> str:
         parts.append(f"+ copy x{copies}")
     parts.append(group.numerics.name())
     parts.append(f"rule={group.rule}")
+    formats = group_weight_formats(circuit, group) if weights else []
+    if formats:
+        parts.append(f"weights={','.join(formats)}")
     return " ".join(parts)
 
 
 def render_plan(circuit: Circuit, plan: FusionPlan, policy: Policy | None = None,
-                rules_label: str | None = None, buffers: BufferPlan | None = None) -> str:
-    """The plan as stable text (ends with a newline)."""
+                rules_label: str | None = None, buffers: BufferPlan | None = None,
+                weights: bool = False) -> str:
+    """The plan as stable text (ends with a newline); ``weights``: each group with the stored
+    formats of the weights it reads (``fuel circuit show --weights``)."""
     buffers = buffers or plan_buffers(circuit, plan)
     fused, materialized = _summary(plan)
     lines = [f"arch: {plan.arch}  mode: {plan.mode.value}  rows: {plan.rows}"]
@@ -90,13 +103,15 @@ def render_plan(circuit: Circuit, plan: FusionPlan, policy: Policy | None = None
             lines.append("")
             lines.append(section_heading)
             heading = section_heading
-        lines.append("  " + group_line(circuit, plan, g))
+        lines.append("  " + group_line(circuit, plan, g, weights))
     return "\n".join(lines) + "\n"
 
 
 def plan_to_json(circuit: Circuit, plan: FusionPlan, policy: Policy | None = None,
-                 rules_label: str | None = None, buffers: BufferPlan | None = None) -> dict[str, Any]:
-    """The facts of :func:`render_plan` as a JSON-ready dict (lists in plan and edge order)."""
+                 rules_label: str | None = None, buffers: BufferPlan | None = None,
+                 weights: bool = False) -> dict[str, Any]:
+    """The facts of :func:`render_plan` as a JSON-ready dict (lists in plan and edge order);
+    ``weights``: each group with ``weight_formats``."""
     buffers = buffers or plan_buffers(circuit, plan)
     fused, materialized = _summary(plan)
     groups = []
@@ -110,6 +125,8 @@ def plan_to_json(circuit: Circuit, plan: FusionPlan, policy: Policy | None = Non
             "runs": [{"run": r.run.text(), "launches": [l.text() for l in r.launches],
                       "copies": r.copies.value if r.copies else None} for r in group.runs],
         })
+        if weights:
+            groups[-1]["weight_formats"] = group_weight_formats(circuit, group)
     slots = {s.edge: s for s in buffers.slots}
     edges = []
     for e, edge in enumerate(circuit.edges):

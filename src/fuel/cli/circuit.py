@@ -53,6 +53,42 @@ def resolve_circuit(model: str | None, circuit_file: Path | None, config_file: P
     return instantiate(load_circuit(circuit_file), shape, draft=draft)
 
 
+WeightsOpt = Annotated[Path | None, typer.Option(
+    "--weights", help="A GGUF file or a checkpoint folder: each weight in the format it is "
+                      "stored in there.")]
+
+
+def with_weights_file(circuit: Circuit, path: Path, planned: str) -> Circuit:
+    """``circuit`` with each weight in the format ``path`` stores it in (a GGUF's per-tensor
+    types, a checkpoint's headers); see :func:`weights_file_formats`."""
+    from fuel.circuit.quant_config import with_weight_formats
+
+    return with_weight_formats(circuit, weights_file_formats(circuit, path, planned))
+
+
+def weights_file_formats(circuit: Circuit, path: Path, planned: str) -> dict[str, Any]:
+    """Binding path -> stored format of every tensor in ``path``. A file that lacks a tensor
+    the circuit reads is another model's: one error naming the file and that tensor
+    (``planned`` names the model), never a circuit with some weights in the file's formats and
+    the rest in its own, or a step lowered against another model's shapes."""
+    from fuel.runtime.quant_cache import stored_formats
+
+    formats = stored_formats(path)
+    read = [b for node in circuit.nodes if node.weight_format for b in node.bindings]
+    missing = [b for b in dict.fromkeys(read) if b not in formats]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InputError(str(path), None,
+                         f"(--weights) holds no tensor `{missing[0]}`{more} that {planned} reads: "
+                         "it is another model's file; name the file this model's weights are in")
+    return formats
+
+
+def planned_name(model: str | None, config: Path | None) -> str:
+    """How an error names the planned model: the zoo name, else the config file."""
+    return f"`{model}`" if model is not None else f"the model of {config}"
+
+
 def describe(circuit: Circuit) -> dict[str, Any]:
     """What ``fuel circuit describe`` reports, as plain data."""
     shape = circuit.shape

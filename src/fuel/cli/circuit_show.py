@@ -14,7 +14,8 @@ from typing import Annotated
 
 import typer
 
-from fuel.cli.circuit import CircuitOpt, ConfigOpt, JsonOpt, ModelArg, circuit_app, resolve_circuit
+from fuel.cli.circuit import (CircuitOpt, ConfigOpt, JsonOpt, ModelArg, WeightsOpt, circuit_app,
+                              planned_name, resolve_circuit, with_weights_file)
 from fuel.errors import InputError
 
 MAX_ROWS = 1 << 20
@@ -70,8 +71,10 @@ def show_command(
     levers: Annotated[list[str] | None, typer.Option("--lever", help="Opt in a `differs` lever (repeatable).")] = None,
     as_json: JsonOpt = False,
     explain_plan: Annotated[bool, typer.Option("--explain", help="Per node: the rules tried and why each did not claim it.")] = False,
+    weights: WeightsOpt = None,
 ) -> None:
-    """The fused launch plan: groups in execution order, launches, copies, digest."""
+    """The fused launch plan: groups in execution order, launches, copies, digest; with
+    --weights, each group with the stored formats of the weights it reads."""
     from fuel.circuit.explain import explain, render_explanation
     from fuel.circuit.fuser import AvailableKernels, FuseError, fuse, fuse_table
     from fuel.circuit.policy import build_policy, check_levers, parse_assignments
@@ -84,6 +87,8 @@ def show_command(
     if levers:
         check_levers(levers, [rule_set, *(load_builtin_rules(n) for n in BUILTIN_RULE_SETS)])
     built = resolve_circuit(model, circuit, config)
+    if weights is not None:
+        built = with_weights_file(built, weights, planned_name(model, config))
     available = AvailableKernels.all_named_by(rule_set)
     if explain_plan:
         step_rows = row_table.rows() if row_table is not None else plan_rows
@@ -99,6 +104,7 @@ def show_command(
             error.args = (f"{error} (run with --explain to see every rule tried per node)",)
         raise
     if as_json:
-        typer.echo(json.dumps(plan_to_json(built, plan, policy, label), indent=2))
+        typer.echo(json.dumps(plan_to_json(built, plan, policy, label, weights=weights is not None),
+                              indent=2))
         return
-    typer.echo(render_plan(built, plan, policy, label), nl=False)
+    typer.echo(render_plan(built, plan, policy, label, weights=weights is not None), nl=False)

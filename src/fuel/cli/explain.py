@@ -104,8 +104,11 @@ def explain_command(
 
     planned = None
     if weights is not None:
+        from fuel.circuit import zoo
+        from fuel.cli.circuit import planned_name, weights_file_formats
         from fuel.runtime.quant_cache import planned_weights
 
+        weights_file_formats(zoo.circuit_for(zoo.shape(model)), weights, planned_name(model, None))
         planned, dtype = planned_weights(weights), "f32"  # packed weights compute in f32
     step = offline_step(model, plan_mode, plan_rows, context, dtype, device.backend,
                         row_table, planned)

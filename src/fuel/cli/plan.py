@@ -123,20 +123,9 @@ def plan_command(
     circ = in_dtype(resolve_circuit(model, circuit, config),
                     weights=weight_format or run_format, activations=run_format)
     if weights_file is not None:
-        from fuel.circuit.quant_config import with_weight_formats
-        from fuel.runtime.quant_cache import stored_formats
+        from fuel.cli.circuit import planned_name, with_weights_file
 
-        formats = stored_formats(weights_file)
-        read = [b for node in circ.nodes if node.weight_format for b in node.bindings]
-        missing = [b for b in dict.fromkeys(read) if b not in formats]
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise InputError(str(weights_file), None,
-                             f"(--weights) holds no tensor `{missing[0]}`{more} that "
-                             f"{name_of(model, config)} "
-                             "reads: it is another model's file (plan that model with "
-                             "--config, or name the file this model's weights are in)")
-        circ = with_weight_formats(circ, formats)
+        circ = with_weights_file(circ, weights_file, planned_name(model, config))
     policy = build_policy(parse_assignments(settings), levers)
     choice = rule_set_for(spec.title, spec.kind.value)
     if levers:
@@ -194,8 +183,3 @@ def _unsized_source(error: Exception, config: Path | None, weights: str | None) 
             key = "group_size" if "group_size" in quant else ""
             return InputError(str(config), f"quantization_config.{key}".rstrip("."), str(error))
     return error
-
-
-def name_of(model: str | None, config: Path | None) -> str:
-    """How an error names the planned model: the zoo name, else the config file."""
-    return f"`{model}`" if model is not None else f"the model of {config}"
