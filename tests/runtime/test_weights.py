@@ -251,6 +251,22 @@ def test_corrupt_safetensors_is_reported_by_file(tmp_path):
         load_weights(folder)
 
 
+@pytest.mark.parametrize("stored", [torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_an_integer_weight_without_a_quantization_scheme_is_refused_by_name(tmp_path, stored):
+    """A checkpoint (no quantization_config) whose weight is stored as integers or bools is a
+    quantized weight without its scheme, or a damaged file: refused naming the tensor and its
+    dtype, never cast to floats and run (a float64 or f16 weight is cast: it means the same)."""
+    tensors = {"model.norm.weight": torch.ones(4), "lm_head.weight": torch.ones(3, 4).to(stored)}
+    folder = _write_folder(tmp_path / "ints", tensors, {"model_type": "llama"})
+    name = str(stored).removeprefix("torch.")
+    with pytest.raises(CorruptWeightsFile,
+                       match=rf"ints/model\.safetensors: .*tensor `lm_head\.weight` is stored as {name}"):
+        load_weights(folder)
+    tensors["lm_head.weight"] = torch.ones(3, 4, dtype=torch.float64)
+    folder = _write_folder(tmp_path / "f64", tensors, {"model_type": "llama"})
+    assert load_weights(folder).tensors["lm_head.weight"].dtype == torch.float32
+
+
 def test_folder_without_config_is_reported(tmp_path):
     folder = tmp_path / "noconfig"
     folder.mkdir()

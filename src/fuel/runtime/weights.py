@@ -479,6 +479,13 @@ def _load_folder(folder: Path, given: Path, kind: SourceKind, dtype: DType) -> W
             if name in packed:  # u8 rows, held as they are
                 tensors[name], formats[name] = tensor, packed[name]
                 continue
+            if not tensor.is_floating_point():
+                # An integer or bool tensor is a quantized weight without its scheme (or a
+                # damaged file): casting its codes to floats would run a wrong model silently.
+                raise CorruptWeightsFile(
+                    str(shard), f"tensor `{name}` is stored as {str(tensor.dtype).removeprefix('torch.')}; "
+                                "a weight of this checkpoint must be a float (f32, f16, bf16, f64) "
+                                "unless config.json's quantization_config says how to read it")
             half = dtype.half and tensor.dim() == 2 and HALF_PACKED.search(name) \
                 and ".experts." not in name
             target = dtype.torch if half or not dtype.half else torch.float32
