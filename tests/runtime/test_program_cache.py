@@ -121,3 +121,48 @@ def test_the_key_names_everything_a_build_depends_on(tiny_weights, tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert base not in variants.values() and len(set(variants.values())) == len(variants)
+
+
+def test_the_folder_is_pruned_least_recently_used_first_past_its_limit(tmp_path):
+    """Programs stranded by a change of fuel, its libraries or the machine do not pile up: past
+    the limit the least recently used go first, down to three quarters of it; a program restored
+    since (its file touched) stays; other files in the folder are never touched."""
+    import os
+
+    from fuel.runtime.program_cache import prune
+
+    folder = tmp_path / "programs"
+    folder.mkdir()
+    paths = []
+    for age in range(10):  # 10 programs of 100 bytes, the oldest first
+        path = folder / f"p{age}.program"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, ns=(10**18 + age * 10**9, 10**18 + age * 10**9))
+        paths.append(path)
+    (folder / "notes.txt").write_text("not a program")
+    assert prune(folder, 1000) == []  # at the limit: nothing goes
+    os.utime(paths[0], ns=(2 * 10**18, 2 * 10**18))  # p0 restored just now
+    (folder / "p10.program").write_bytes(b"x" * 100)  # 1,100 bytes: past the limit
+    os.utime(folder / "p10.program", ns=(10**18 + 20 * 10**9,) * 2)
+    removed = prune(folder, 1000)
+    assert [p.name for p in removed] == ["p1.program", "p2.program", "p3.program", "p4.program"]
+    assert sorted(p.name for p in folder.glob("*.program")) == sorted(
+        f"p{i}.program" for i in (0, 5, 6, 7, 8, 9, 10))
+    assert (folder / "notes.txt").exists()
+
+
+def test_a_restore_marks_its_program_used(first_run, tiny_weights, tmp_path):
+    import os
+
+    folder, _, _, _, numba_cache = first_run
+    programs = tmp_path / "programs"
+    programs.mkdir()
+    for path in (folder / "programs").glob("*.program"):
+        (programs / path.name).write_bytes(path.read_bytes())
+        os.utime(programs / path.name, ns=(10**18, 10**18))  # used long ago
+    cache = ProgramCache(programs)
+    later = engine_for(tiny_weights, folder, cache, numba_cache)
+    generate(later, PROMPT, 2, stop=())
+    assert cache.restored >= 1
+    touched = [p for p in programs.glob("*.program") if p.stat().st_mtime_ns > 10**18]
+    assert len(touched) == cache.restored

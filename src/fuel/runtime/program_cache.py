@@ -23,7 +23,10 @@ Invariants:
   restored); a kernel the synthesizer no longer builds makes the entry unusable, never a
   silent substitute.
 - The folder is ``$FUEL_CACHE_DIR/programs`` (default ``~/.cache/fuel/programs``); deleting it
-  is always safe.
+  is always safe. It is kept under :data:`FOLDER_LIMIT_BYTES`: every change of fuel's code,
+  libraries or machine keys new programs and strands the old ones, so a save that takes the
+  folder past the limit removes the least recently used programs (a restore marks its file
+  used) down to three quarters of it, recorded in :attr:`ProgramCache.notes`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ if TYPE_CHECKING:
 
 SCHEMA = 1
 MAGIC = b"fuel-program"
+FOLDER_LIMIT_BYTES = 512 * 2**20
+"""How much the programs folder may hold (SmolLM2's programs are ~0.3-0.5 MB each; a model's
+few programs for one build of fuel are a few MB: the limit only ever removes stale ones)."""
 
 
 @cache
@@ -189,6 +195,10 @@ class ProgramCache:
         program = self._restore(path, stored, store, table, options)
         if program is not None:
             self.restored += 1
+            try:
+                os.utime(path)  # used now: the last to go when the folder is pruned
+            except OSError:
+                pass  # a read-only folder: restoring needs no write
         return program
 
     def _decode(self, path: Path, blob: bytes, key: str) -> _Stored | None:
@@ -274,6 +284,10 @@ class ProgramCache:
             self.notes.append(f"{program.digest[:12]}: not stored ({error.strerror})")
             return False
         self.stored += 1
+        removed = prune(self.path, FOLDER_LIMIT_BYTES)
+        if removed:
+            self.notes.append(f"{len(removed)} least recently used program(s) removed: the folder "
+                              f"had passed {FOLDER_LIMIT_BYTES // 2**20} MB")
         return True
 
     def report(self) -> dict[str, Any]:
@@ -281,4 +295,33 @@ class ProgramCache:
                 "notes": list(self.notes)}
 
 
-__all__ = ["ProgramCache", "SCHEMA", "code_digest", "options_identity", "program_key"]
+def prune(folder: Path, limit: int) -> list[Path]:
+    """Remove the least recently used ``*.program`` files of ``folder`` (by modification time,
+    which a restore refreshes) until they hold at most three quarters of ``limit`` bytes, when
+    they hold more than ``limit``; return the files removed. A file that vanishes or cannot be
+    removed meanwhile (another process) is skipped."""
+    entries = []
+    for path in folder.glob("*.program"):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        entries.append((stat.st_mtime_ns, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    if total <= limit:
+        return []
+    removed = []
+    for _, size, path in sorted(entries):
+        if total <= limit * 3 // 4:
+            break
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed.append(path)
+    return removed
+
+
+__all__ = ["FOLDER_LIMIT_BYTES", "ProgramCache", "SCHEMA", "code_digest", "options_identity",
+           "program_key", "prune"]
