@@ -180,6 +180,6 @@ def _unsized_source(error: Exception, config: Path | None, weights: str | None) 
         except (OSError, ValueError, AttributeError):
             quant = None
         if isinstance(quant, dict):
-            key = "group_size" if "group_size" in quant else ""
-            return InputError(str(config), f"quantization_config.{key}".rstrip("."), str(error))
+            key = "quantization_config.group_size" if "group_size" in quant else "quantization_config"
+            return InputError(str(config), key, str(error))
     return error

@@ -468,7 +468,6 @@ def _input_node(step, name: str) -> int:
     raise KeyError(name)
 
 
-
 _LAZY_ZERO_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 """KV dtypes :func:`zeroed_pages` makes from the system's zeroed pages (bf16 as its bits)."""
 
@@ -483,6 +482,7 @@ def zeroed_pages(torch: Any, dims: tuple[int, ...], dtype: Any) -> torch.Tensor:
     if bits is None:
         return torch.zeros(dims, dtype=dtype)
     return torch.from_numpy(np.zeros(dims, dtype=bits)).view(dtype)
+
 
 __all__ = [
     "BadStep", "ContextTooLong", "DEFAULT_BLOCK_SIZE", "Engine", "EngineError", "EngineStats",

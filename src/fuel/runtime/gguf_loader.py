@@ -451,7 +451,7 @@ def _rope_theta(value: Any) -> int | float:
     return int(theta) if theta.is_integer() else theta
 
 
-def _optional_int(meta: Mapping[str, Any], key: str, path: str = "") -> int | None:
+def _optional_int(meta: Mapping[str, Any], key: str, path: str) -> int | None:
     return _metadata_int(meta, key, path) if key in meta else None
 
 

@@ -252,10 +252,13 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], *, source: str) ->
     raw_merges = metadata["tokenizer.ggml.merges"]
     if not isinstance(raw_merges, list) or not all(isinstance(m, str) for m in raw_merges):
         raise UnsupportedTokenizer(source, "tokenizer.ggml.merges", "expected a list of strings")
+    merges = []
     for index, merge in enumerate(raw_merges):
-        if len(merge.split(" ")) != 2:
+        pair = tuple(merge.split(" "))
+        if len(pair) != 2:
             raise UnsupportedTokenizer(source, "tokenizer.ggml.merges",
                                        f"merge {index} ({merge!r}) is not two tokens separated by one space")
+        merges.append(pair)
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     # A token written with characters outside the byte alphabet is spelled out byte by byte, as
@@ -264,7 +267,6 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], *, source: str) ->
         token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8")): index
         for index, token in enumerate(tokens)
     }
-    merges = [tuple(merge.split(" ", 1)) for merge in raw_merges]
     try:
         model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
     except Exception as error:  # noqa: BLE001 — tokenizers raises a bare Exception for a bad BPE
@@ -301,7 +303,7 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], *, source: str) ->
             raise UnsupportedTokenizer(source, f"tokenizer.ggml.{key}", f"is {index!r}, not a token id")
         if not 0 <= index < len(tokens):
             raise UnsupportedTokenizer(source, f"tokenizer.ggml.{key}", f"id {index} is outside the vocabulary")
-        return tokens[int(index)]
+        return tokens[index]
 
     bos = special("bos_token_id")
     if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
