@@ -161,6 +161,39 @@ def test_the_portable_and_avx2_builds_equal_the_reference(tmp_path, isa):
             assert check.ok, f"{layout}, {rows} rows: {check.report}"
 
 
+@pytest.mark.parametrize("isa", _ISAS)
+def test_the_dense_gemm_of_every_build_equals_the_f64_product_or_declines(tmp_path, isa):
+    """The prompt-chunk GEMM (``fuel_gemm_dense``) of each build: where it has one (AVX-512, or
+    AVX2 with F16C), f32/f16/bf16 weights at edge shapes (rows, weight rows and columns not
+    multiples of its tiles or vector width); the portable build has none and says so (None,
+    the caller's fallback), never a wrong product."""
+    from tests.conftest import build_native_variant
+
+    built = build_native_variant(tmp_path / "gemm.so", isa)
+    _check_dense_gemm(built, expect_kernel=bool(isa))
+
+
+def test_the_dense_gemm_equals_the_f64_product_at_edge_shapes(lib):
+    _check_dense_gemm(lib, expect_kernel=True)
+
+
+def _check_dense_gemm(lib, expect_kernel: bool):
+    generator = torch.Generator().manual_seed(5)
+    for dtype, name in ((torch.float32, "f32"), (torch.float16, "f16"), (torch.bfloat16, "bf16")):
+        for rows, features, cols in ((5, 7, 33), (67, 13, 48), (130, 70, 224), (1, 6, 16)):
+            w = torch.randn(features, cols, generator=generator).to(dtype)
+            x = torch.randn(rows, cols, generator=generator)
+            for threads in (1, 2):
+                got = lib.gemm(name, x, w, cols, threads=threads)
+                if not expect_kernel:
+                    assert got is None
+                    continue
+                want = (x.double() @ w.double().T).float()
+                check = verify(got, want, TOLERANCE)
+                assert check.ok, f"{name} {rows}x{cols} @ {features}x{cols}: {check.report}"
+    assert lib.gemm("q4_1", torch.randn(5, 32), torch.zeros(3, 20, dtype=torch.uint8), 32) is None
+
+
 def _pack_k_quant(values, layout):
     """Packed rows of f32 ``[rows, cols]`` values as q4_k/q5_k/q6_k super-blocks (numpy): a plain
     round-to-nearest quantizer, scales rounded up (no search for the best scales, as llama.cpp
@@ -283,10 +316,13 @@ def _quant_request(layout: str, cols: int = 128):
                                           ("q4_k", 256), ("q6_k", 256)])
 def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, cols, tmp_path):
     """q4_1 (a format with an 8-bit-activation kernel) gets it, with its stated error bound;
-    bf16 and f16 get the f32-activation kernel for decode rows (their bound is zero there) and
-    torch's GEMM in their format for a prompt chunk, within the stated bound; the others get the
-    f32-activation kernel, within the recipe tolerance alone."""
+    bf16 and f16 get the f32-activation kernel for decode rows (their bound is zero there); a
+    prompt chunk of a format torch multiplies natively here (bf16 on AVX-512 BF16) runs torch's
+    GEMM in it, rounding the activations, within the stated bound, and one it does not (f16)
+    the native GEMM, within the plain f32 tolerance; the others get the f32-activation kernel,
+    within the recipe tolerance alone."""
     from fuel.jit.native_synth import KERNEL_SOURCE, KERNEL_SOURCE_Q8, CpuSynthesizer
+    from fuel.kernels.torch_kernels import HALF_GEMM_NATIVE
 
     synth = CpuSynthesizer(cache_dir=tmp_path)
     answer = synth.synthesize(_quant_request(layout, cols))
@@ -304,8 +340,9 @@ def test_the_cpu_synthesizer_answers_quantized_matmuls_natively(lib, layout, col
         assert verify(kernel.run(x, w), want, TOLERANCE, bound).ok
         if half:
             assert (bound.max() == 0) == (rows == 1)  # exact f32 activations for decode rows
-            if rows > 1:  # the chunk really rounds: outside the plain f32 tolerance
-                assert not verify(kernel.run(x, w), want, TOLERANCE).ok
+            rounds = {"bf16": torch.bfloat16, "f16": torch.float16}[layout] in HALF_GEMM_NATIVE
+            if rows > 1:  # a chunk in torch's 16-bit GEMM rounds: outside the f32 tolerance
+                assert verify(kernel.run(x, w), want, TOLERANCE).ok != rounds
 
 
 def test_fuel_q8_activations_0_keeps_f32_activations(lib, tmp_path, monkeypatch):

@@ -180,12 +180,15 @@ class _HalfRowsBound:
 class _QuantRunner:
     """``run(x [..., K] f32, w u8 [N, row_bytes])`` through the native library (decode rows with
     8-bit activations when ``activations="q8"``). A bf16/f16 matrix's prompt chunk (more than
-    ``STREAM_ROWS`` rows) instead runs torch's GEMM in that format on the matrix as it is held
-    (oneDNN: AMX or AVX-512 BF16 where the CPU has them; measured here for 48 rows of a 3072x576
-    matrix, bf16 1.3 -> 0.28 ms, f16 1.2 -> 0.7 ms; the bf16 LM head 21 -> 4 ms), activations
-    rounded to the format as a 16-bit model's own reference rounds them; verified against
-    :func:`half_rows_error_bound`. An f16 chunk whose result overflows (f16 tops out at 65504)
-    is computed again on the f32 path: never an infinity the recipe would not give."""
+    ``STREAM_ROWS`` rows) instead runs
+    :func:`~fuel.kernels.torch_kernels.half_chunk_linear` on the matrix as it is held: bf16
+    through oneDNN's bf16 GEMM where the CPU has AVX-512 BF16 or AMX (measured here for 48 rows
+    of a 3072x576 matrix, 1.3 -> 0.28 ms; the LM head 21 -> 4 ms), activations rounded to bf16 as
+    a bf16 model's own reference rounds them; f16 through the native GEMM (weights widened in
+    registers, f32 activations: 0.77 against the recipe's 1.03 ms for a layer's four products
+    at 48 rows); verified against :func:`half_rows_error_bound`. An f16 chunk whose result
+    overflows (torch's f16 GEMM, where no native one runs, tops out at 65504) is computed again
+    on the f32 path: never an infinity the recipe would not give."""
 
     def __init__(self, lib, layout: str, cols: int, activations: str = "f32"):
         import torch

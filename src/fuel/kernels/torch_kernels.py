@@ -441,11 +441,32 @@ def checkpoint_linear(x, w, bias=None):
 
 def half_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for a prompt chunk of f32 activations ``x [M, K]`` against a bf16 or f16
-    matrix ``w [N, K]`` as it is held, f32 out: torch's GEMM in the matrix's format (oneDNN:
-    AVX-512 BF16 or AMX where the CPU has them), the activations rounded to that format first, as
-    a 16-bit model's own reference rounds them. The kernel a bf16/f16 matrix's prompt chunk runs
-    (``fuel.jit.native_synth``), and what the ``cpu-local`` probe times for those formats."""
+    matrix ``w [N, K]`` as it is held, f32 out. The kernel a bf16/f16 matrix's prompt chunk runs
+    (``fuel.jit.native_synth``), and what the ``cpu-local`` probe times for those formats:
+
+    - bf16 where oneDNN multiplies it natively (AVX-512 BF16 or AMX: ``HALF_GEMM_NATIVE``):
+      torch's GEMM in bf16, the activations rounded to bf16 first, as a bf16 model's own
+      reference rounds them (2x the native f32-accumulating GEMM below here);
+    - otherwise (f16: torch's f16 GEMM on a CPU without AVX512-FP16 is 8-10x slower than the
+      recipe here) the native library's GEMM (``NativeKernels.gemm``): the 16-bit weights
+      widened in registers, f32 activations and accumulation (the recipe's values within f32
+      reassociation), no f32 copy of the matrix;
+    - where neither runs, torch's GEMM in the matrix's format, activations rounded to it."""
+    if w.dtype in HALF_GEMM_NATIVE:
+        return F.linear(x.to(w.dtype), w).float()
+    lib = _native_library() if x.device.type == "cpu" else None
+    if lib is not None:
+        out = lib.gemm(NATIVE_WEIGHT_FORMATS[w.dtype], x, w, x.shape[-1])
+        if out is not None:
+            return out
     return F.linear(x.to(w.dtype), w).float()
+
+
+HALF_GEMM_NATIVE = frozenset(
+    {torch.bfloat16} if (torch.backends.mkldnn.is_available()
+                         and torch.ops.mkldnn._is_mkldnn_bf16_supported()) else set())
+"""The 16-bit formats torch's CPU GEMM multiplies in that format at full speed here (oneDNN's
+bf16 path on AVX-512 BF16 / AMX), which :func:`half_chunk_linear` runs as they are."""
 
 
 def _matmul(node: Node):
@@ -481,6 +502,15 @@ def _fused_linear(node: Node):
             # A prompt chunk, on the checkpoint layout (no copy: a process's first prompt never
             # transposes every f32 weight before its first token): oneDNN where torch has it.
             return checkpoint_linear(x, w, bias)
+        if (stream is not None and x.device.type == "cpu" and w.dim() == 2
+                and w.dtype in (torch.float16, torch.bfloat16) and w.dtype not in HALF_GEMM_NATIVE):
+            # A 16-bit matrix torch cannot multiply fast in its format (f16 here): the native
+            # GEMM, weights widened in registers (half_chunk_linear's kernel for such a matrix).
+            out = stream.gemm(NATIVE_WEIGHT_FORMATS[w.dtype], x, w, x.shape[-1])
+            if out is not None:
+                if bias is not None:
+                    out += bias
+                return out if x.dtype == torch.float32 else out.to(x.dtype)
         layout, prepared = PREPARED_WEIGHTS.get(w)
         if layout is LinearLayout.CHECKPOINT:
             return F.linear(x, w, bias)
