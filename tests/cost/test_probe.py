@@ -272,20 +272,22 @@ def test_the_attention_probe_counts_flops_as_the_report_does():
 
 
 def test_the_attention_probe_times_the_prompt_chunk_attention_at_each_row_count(monkeypatch):
-    # Why: a CPU prompt chunk's attention (gather + one causal SDPA) runs far below the matrix
-    # rate; the probe must time that kernel, at every chunk size, with the stated layout.
+    # Why: a CPU prompt chunk's attention (the native flash attention, or gather + one causal
+    # SDPA) runs far below the matrix rate; the probe must time the kernel the runtime's
+    # prompt chunks call (fuel.jit.paged.prefill_attention), at every chunk size, with the
+    # stated layout.
     import torch
 
     from fuel.jit import paged
 
     calls = []
-    real = paged.sdpa_prefill
+    real = paged.prefill_attention
 
     def spy(q, k_cache, v_cache, table, lens, scale, dtype):
         calls.append((tuple(q.shape), k_cache.shape[2], int(lens[0])))
         return real(q, k_cache, v_cache, table, lens, scale, dtype)
 
-    monkeypatch.setattr(paged, "sdpa_prefill", spy)
+    monkeypatch.setattr(paged, "prefill_attention", spy)
     rates, fits = probe._attention_rows_rates(torch)
     assert [rows for rows, _ in rates] == list(probe._GEMM_ROWS)
     assert all(rate > 0 for _, rate in rates)

@@ -166,11 +166,14 @@ def test_the_dense_gemm_of_every_build_equals_the_f64_product_or_declines(tmp_pa
     """The prompt-chunk GEMM (``fuel_gemm_dense``) of each build: where it has one (AVX-512, or
     AVX2 with F16C), f32/f16/bf16 weights at edge shapes (rows, weight rows and columns not
     multiples of its tiles or vector width); the portable build has none and says so (None,
-    the caller's fallback), never a wrong product."""
+    the caller's fallback), never a wrong product. Neither has the prompt-chunk attention
+    (AVX-512 only): it declines."""
     from tests.conftest import build_native_variant
 
     built = build_native_variant(tmp_path / "gemm.so", isa)
     _check_dense_gemm(built, expect_kernel=bool(isa))
+    q, cache = torch.randn(1, 4, 8, 64), torch.randn(4, 16, 2, 64)  # no AVX-512: no flash
+    assert built.prefill_attn(q, cache, cache, torch.arange(4)[None], torch.tensor([8]), 0.2) is None
 
 
 def test_the_dense_gemm_equals_the_f64_product_at_edge_shapes(lib):
@@ -633,3 +636,103 @@ def test_native_silu_mul_equals_torch_within_the_f32_tolerance(lib):
     lib._lib.fuel_silu_mul(ctypes.c_void_p(gate.data_ptr()), ctypes.c_void_p(up.data_ptr()),
                            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(9))
     assert torch.isnan(out[0]) and torch.isfinite(out[1:]).all()
+
+
+_HAS_AVX512 = "avx512f" in (Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else [])
+"""Whether this CPU (and so the -march=native build) has AVX-512, the native prompt-chunk
+attention's instruction set."""
+
+
+def _prefill_reference(q, k_cache, v_cache, table, lens, scale):
+    """The paged-attention recipe's semantics in f64, one sequence and head at a time: query i
+    of L sees positions up to len - L + i (capped at the table's capacity); NaN when it sees
+    nothing."""
+    batch, heads, rows, _ = q.shape
+    block, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    capacity = table.shape[1] * block
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    for b in range(batch):
+        keys = torch.cat([k_cache[int(blk)] for blk in table[b]]).double()  # [capacity, kv, D]
+        vals = torch.cat([v_cache[int(blk)] for blk in table[b]]).double()
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            for i in range(rows):
+                seen = min(int(lens[b]) - rows + i + 1, capacity)
+                if seen <= 0:
+                    continue
+                weights = torch.softmax(keys[:seen, kv] @ q[b, h, i].double() * scale, 0)
+                out[b, h, i] = weights @ vals[:seen, kv]
+    return out
+
+
+@pytest.mark.parametrize("half", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_attention_equals_the_recipe_on_f32_and_half_caches(lib, half, head_dim):
+    """The native prompt-chunk attention: GQA, two sequences of different lengths through
+    shuffled block tables, row counts that are not a multiple of its row blocks, contexts
+    longer than the chunk (a second chunk), past one 64-key block, rows that see nothing (NaN)
+    and a context longer than the table (capped), on f32 caches and on bf16/f16 caches widened
+    as read."""
+    generator = torch.Generator().manual_seed(head_dim)
+    rows, kv_heads, heads, block = 70, 2, 6, 16
+    q = torch.randn(3, heads, rows, head_dim, generator=generator)
+    k_cache, v_cache = (torch.randn(40, block, kv_heads, head_dim, generator=generator)
+                        for _ in range(2))
+    if half is not None:
+        k_cache, v_cache = k_cache.to(half), v_cache.to(half)
+    table = torch.stack([torch.randperm(40, generator=generator)[:12] for _ in range(3)])
+    lens = torch.tensor([150, 60, 400])  # a later chunk; 10 rows that see nothing; capped at 192
+    for index in (torch.int64, torch.int32):
+        got = lib.prefill_attn(q, k_cache, v_cache, table.to(index), lens.to(index), 0.3)
+        if not _HAS_AVX512:  # no kernel: the caller's SDPA stands (tests/jit)
+            assert got is None
+            continue
+        want = _prefill_reference(q, k_cache.float(), v_cache.float(), table, lens, 0.3)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        seen = ~torch.isnan(want)
+        assert seen.any() and (got[seen].double() - want[seen]).abs().max().item() < 2e-5
+
+
+def test_prefill_attention_declines_what_it_has_no_kernel_for_and_refuses_a_block_outside(lib):
+    q = torch.randn(1, 4, 8, 32)
+    cache = torch.randn(4, 16, 2, 32)
+    table, lens = torch.arange(4)[None], torch.tensor([8])
+    assert lib.prefill_attn(q, cache, cache, table, lens, 0.2) is None  # head dim 32: SDPA's
+    q, cache = torch.randn(1, 4, 8, 64), torch.randn(4, 16, 2, 64)
+    assert lib.prefill_attn(q.double(), cache, cache, table, lens, 0.2) is None
+    if not _HAS_AVX512:
+        assert lib.prefill_attn(q, cache, cache, table, lens, 0.2) is None
+        return
+    with pytest.raises(IndexError):
+        lib.prefill_attn(q, cache, cache, torch.tensor([[0, 9, 1, 2]]), torch.tensor([30]), 0.2)
+
+
+def test_the_synthesized_paged_kernel_runs_a_prompt_chunk_on_the_native_flash_attention(
+        lib, tmp_path, monkeypatch):
+    """The CPU synthesizer's paged-attention kernel at prompt-chunk rows calls the native
+    prompt-chunk attention (where this CPU has it) and equals the recipe's semantics."""
+    from fuel.jit.native_synth import CpuSynthesizer
+    from tests.jit.helpers import request_for
+
+    graph = Graph()
+    q = graph.input("q", (1, 6, 20, 64), DType.F32)
+    k = graph.input("k", (8, 16, 2, 64), DType.F32)
+    v = graph.input("v", (8, 16, 2, 64), DType.F32)
+    t, n = graph.input("t", (1, 8), DType.I64), graph.input("n", (1,), DType.I64)
+    node = graph.fused(FusedOps.PAGED_ATTN, FusedOpParams.PagedAttn(0.125, 16), q, k, v, t, n)
+    synth = CpuSynthesizer(cache_dir=tmp_path)
+    answer = synth.synthesize(request_for(graph, node))
+    assert isinstance(answer, Synthesized) and answer.entry_point.startswith("native:")
+    kernel = synth.take_kernel(answer.entry_point)
+    calls = []
+    real = type(lib).prefill_attn
+    monkeypatch.setattr(type(lib), "prefill_attn",
+                        lambda self, *args: calls.append(args[0].shape) or real(self, *args))
+    generator = torch.Generator().manual_seed(8)
+    qv = torch.randn(1, 6, 20, 64, generator=generator)
+    kc, vc = (torch.randn(8, 16, 2, 64, generator=generator) for _ in range(2))
+    table, lens = torch.randperm(8, generator=generator)[None], torch.tensor([90])
+    got = kernel.run(qv, kc, vc, table, lens)
+    assert calls == [torch.Size([1, 6, 20, 64])]
+    want = _prefill_reference(qv, kc, vc, table, lens, 0.125)
+    assert (got.double() - want).abs().max().item() < 2e-5

@@ -25,8 +25,9 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
   (converting activations, gathering the cache, the threads' fork and join), so a narrow one
   runs well below a wide one's rate. ``fuel plan`` charges each call the fixed part.
 - Attention rates by rows (``attention_rows_flops``): the prompt-chunk attention a CPU run
-  calls (``fuel.jit.paged.sdpa_prefill``: the paged cache gathered through the block table,
-  one causal ``scaled_dot_product_attention``), f32 (the CPU attention computes in f32 whatever
+  calls (``fuel.jit.paged.prefill_attention``: the native flash attention over the paged
+  cache, or where it declines one causal ``scaled_dot_product_attention`` over the rows gathered
+  through the block table), f32 (the CPU attention computes in f32 whatever
   the model's dtype), at each of ``_GEMM_ROWS`` rows over a context of as many positions, for
   ``_ATTENTION_LAYOUT`` (query heads, kv heads, head_dim); FLOPs counted as the report counts
   them (``4 x heads x head_dim x attended positions``, causal). It is not a packed GEMM:
@@ -90,7 +91,7 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 10  # 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; a chunk GEMM's and attention's fixed cost per call; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 11  # 11: prompt-chunk attention through prefill_attention (native flash attention), f16 chunks on the native GEMM; 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; a chunk GEMM's and attention's fixed cost per call; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
@@ -470,7 +471,7 @@ def _attention_rows_rates(torch) -> tuple[list[list[float]], list[list[float]]] 
     call, so a model with fewer heads (SmolLM2: 9) runs below the 16-head rate (measured at 128
     rows: 34 GFLOP/s against 44)."""
     try:
-        from fuel.jit.paged import sdpa_prefill
+        from fuel.jit.paged import prefill_attention
     except ImportError:
         return None
     heads, kv_heads, head_dim = _ATTENTION_LAYOUT
@@ -487,7 +488,8 @@ def _attention_rows_rates(torch) -> tuple[list[list[float]], list[list[float]]] 
         for h, (k_cache, v_cache) in caches.items():
             q = torch.randn(1, h, rows, head_dim)
             measured = profile_kernel(
-                lambda: sdpa_prefill(q, k_cache, v_cache, table, lens, head_dim ** -0.5, torch.float32),
+                lambda: prefill_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5,
+                                          torch.float32),
                 warmup=2, repeats=5, min_sample_ns=2_000_000)
             timed[h] = (attention_flops(h, head_dim, rows, rows), measured.median_ns)
         flops, ns = timed[heads]
@@ -617,7 +619,7 @@ def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
         memory_bytes=int(numbers["memory_bytes"]),
         launch_overhead_ns=int(numbers["launch_overhead_ns"]),
         sources={
-            "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; by rows: the same kernel at M={', '.join(map(str, _GEMM_ROWS))} over {_ROWS_SET_BYTES >> 20} MiB of distinct weights (for {', '.join(sorted(c.value for c in rows_curves)) or 'no dtype'}), and N={n // _NARROW} beside it for a call's fixed cost ({fits_text}); matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements; attention by rows: {'the prompt-chunk attention (sdpa_prefill, f32, ' + f'{heads}/{kv_heads} heads of {head_dim}) at as many rows as positions' if attention else 'not measured (no prompt-chunk attention kernel)'}",
+            "peak_tflops": f"{probe}: the CPU backend's linear kernel at M={m}, K={k}, N={n} per dtype; by rows: the same kernel at M={', '.join(map(str, _GEMM_ROWS))} over {_ROWS_SET_BYTES >> 20} MiB of distinct weights (for {', '.join(sorted(c.value for c in rows_curves)) or 'no dtype'}), and N={n // _NARROW} beside it for a call's fixed cost ({fits_text}); matrix-vector rates: the same kernel at M=1 on a {rows}x{cols} weight; vector rate: slope of in-cache addcmul_ over 8 Ki and 32 Ki elements; attention by rows: {'the prompt-chunk attention (prefill_attention, f32, ' + f'{heads}/{kv_heads} heads of {head_dim}) at as many rows as positions' if attention else 'not measured (no prompt-chunk attention kernel)'}",
             "bandwidth": f"{probe}: bytes read per second by the f32 matrix-vector product streaming {numbers['stream_note']}, twice the last-level cache (a decode step reads its weights once each); by the size of one weight: {', '.join(f'{b / 2**20:.0f} MiB {v / 1e9:.1f} GB/s' for b, v in by_bytes) or 'not measured'} (distinct f32 weights of that size streamed, less a call's fixed cost); bf16/f16 weights: {', '.join(f'{b / 2**20:.1f} MiB {v / 1e9:.1f} GB/s' for b, v in half_by_bytes) or 'not measured'} (bf16 weights, the same way); streaming copy_ of 64 MiB (read + write) runs at {float(numbers['copy_bytes_per_s']) / 1e9:.1f} GB/s",
             "memory": f"{probe}: physical RAM (sysconf)",
             "launch_overhead": f"{probe}: what a one-element torch.add costs right after each streamed weight slice (clocked around the calls, {_CALLS_PER_SLICE} a slice, median over the slices of 3 passes) (a call in a step, caches just flushed; back to back it takes {float(numbers['hot_call_ns']) / 1e3:.1f} us); also the host cost of a view",

@@ -7,7 +7,8 @@ Decides which tool answers a CPU request. The native library (``fuel.kernels.nat
   (:data:`fuel.kernels.native.QUANT_LAYOUTS`): intrinsics, one pass over the packed rows, a
   parallel loop on torch's own OpenMP pool;
 - paged attention over f32 queries and f32, bf16 or f16 caches: its decode body for decode rows, and
-  :func:`fuel.jit.paged.sdpa_prefill` (torch) for a prompt chunk;
+  :func:`fuel.jit.paged.prefill_attention` for a prompt chunk (its native flash attention, torch's
+  SDPA where that declines);
 - ``residual_add_rms_norm`` over f32 rows (recognized by unifying the region with the registry's
   template, so any other region is not mistaken for it).
 
@@ -216,18 +217,19 @@ class _QuantRunner:
 class _PagedRunner:
     """Paged attention of f32 queries (caches f32, bf16 or f16) without numba: decode rows (fewer than
     :data:`~fuel.jit.paged.PREFILL_MIN_ROWS` a sequence) in one native call, a prompt chunk by
-    :func:`~fuel.jit.paged.sdpa_prefill` on torch's pool; a soft-capped region (no SDPA form)
-    takes the native loop at every row count."""
+    :func:`~fuel.jit.paged.prefill_attention` (the native flash attention, else SDPA) on torch's
+    pool; a soft-capped region (neither has a soft cap) takes the native loop at every row
+    count."""
 
     def __init__(self, lib, paged):
         import torch
 
-        from fuel.jit.paged import PREFILL_MIN_ROWS, sdpa_prefill
+        from fuel.jit.paged import PREFILL_MIN_ROWS, prefill_attention
 
         self._attend = lib.paged_attn
         self.scale, self.softcap = paged.softmax_scale, paged.softcap
         self._prefill_rows = PREFILL_MIN_ROWS
-        self._prefill = sdpa_prefill
+        self._prefill = prefill_attention
         self._f32 = torch.float32
 
     def native_rows(self, rows: int) -> bool:
@@ -319,7 +321,8 @@ class CpuSynthesizer:
                                 f"fuel.kernels.native fuel_paged_attn_kv (decode rows, scale "
                                 f"{paged.softmax_scale}, softcap {paged.softcap}"
                                 f"{', half-precision caches' if paged.half_kv else ''}); prompt "
-                                f"chunks: fuel.jit.paged.sdpa_prefill\n")
+                                f"chunks: fuel.jit.paged.prefill_attention (fuel_prefill_attn_kv, "
+                                f"else sdpa_prefill)\n")
         eps = match_residual_rms_norm(request.region)
         if eps is not None:
             return self._answer(request, request.operands, "residual_rms_norm",

@@ -10,7 +10,8 @@ Invariants: pure and total (returns :class:`PagedRegion` or ``None``); the extra
 exactly the ones in the region, so the template kernel computes the same function.
 
 Also here, shared by the numba and the native synthesizers: :func:`sdpa_prefill`, the prefill
-body both paged-attention kernels run for a prompt chunk (torch only).
+body of the numba kernel for a prompt chunk (torch only), and :func:`prefill_attention`, the
+native kernel's (fuel's native flash attention where it runs, else the same SDPA call).
 """
 
 from __future__ import annotations
@@ -114,3 +115,19 @@ def sdpa_prefill(q, k_cache, v_cache, block_table, context_lens, scale: float, o
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
     return out.to(out_dtype).contiguous()
+
+
+def prefill_attention(q, k_cache, v_cache, block_table, context_lens, scale: float, out_dtype):
+    """A prompt chunk's paged attention as the native synthesizer's kernel runs it (and the
+    ``cpu-local`` probe times it): the native library's flash attention
+    (``NativeKernels.prefill_attn``: each sequence's cache rows gathered and widened once, blocks
+    of 64 keys, online softmax; 2-2.5x SDPA here at 48-256 rows) where the library loads and
+    takes the operands, else :func:`sdpa_prefill`. The same semantics either way; no soft cap."""
+    from fuel.kernels import native
+
+    lib = native.load()
+    if not isinstance(lib, native.Unavailable):
+        out = lib.prefill_attn(q, k_cache, v_cache, block_table, context_lens, scale)
+        if out is not None:
+            return out if out.dtype == out_dtype else out.to(out_dtype)
+    return sdpa_prefill(q, k_cache, v_cache, block_table, context_lens, scale, out_dtype)

@@ -1752,4 +1752,193 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
     return 0;
 }
 
+
+/* Prompt-chunk attention (many query rows a sequence): the paged-attention recipe's semantics
+   (query i of L sees positions up to len - L + i, capped at the table's capacity; a query that
+   sees nothing is NaN), computed as flash attention over blocks of PA_KB keys: each (sequence,
+   kv head)'s cache rows are gathered once, widened to f32, keys transposed ([D][positions]) so
+   a block's scores are broadcast-FMAs of query elements against 16 keys a vector, and values
+   row-major for the weighted sum; every block of PA_R query rows of one head keeps its running
+   maximum, total and output in registers (online softmax), skipping the keys no row of it
+   sees. AVX-512 and head dims of 64 or 128 only (-1 otherwise: the caller's SDPA stands). */
+#ifdef __AVX512F__
+#define PA_KB 64
+
+/* exp of sixteen floats: exp8's method (see there) at AVX-512 width. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)),
+                                         _mm512_set1_ps(88.7228f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* R query rows (stride D) of one head, rows' last visible positions `last` (all >= 0), over the
+   gathered keys kt [D][cap] and values v [cap][D]; DV = D / 16. */
+INLINE void prefill_rows(const int R, const int DV, const float *q, int64_t D, const float *kt,
+                         int64_t cap, const float *v, const int64_t *last, float scale, float *out) {
+    __m512 o[4][8];
+    float m[4], l[4], p[4][PA_KB] __attribute__((aligned(64)));
+    int64_t end = 0;
+    for (int r = 0; r < R; r++) {
+        m[r] = -INFINITY; l[r] = 0.0f;
+        for (int c = 0; c < DV; c++) o[r][c] = _mm512_setzero_ps();
+        if (last[r] + 1 > end) end = last[r] + 1;
+    }
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t k0 = 0; k0 < end; k0 += PA_KB) {
+        __m512 s[4][PA_KB / 16];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < PA_KB / 16; c++) s[r][c] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const float *kr = kt + d * cap + k0;
+            __m512 k[PA_KB / 16];
+            for (int c = 0; c < PA_KB / 16; c++) k[c] = _mm512_loadu_ps(kr + 16 * c);
+            for (int r = 0; r < R; r++) {
+                const __m512 qb = _mm512_set1_ps(q[r * D + d]);
+                for (int c = 0; c < PA_KB / 16; c++) s[r][c] = _mm512_fmadd_ps(qb, k[c], s[r][c]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __mmask16 seen[PA_KB / 16];
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int c = 0; c < PA_KB / 16; c++) {
+                const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(k0 + 16 * c)));
+                seen[c] = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32((int)last[r]));
+                s[r][c] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen[c], s[r][c], _mm512_set1_ps(scale));
+                top = _mm512_max_ps(top, s[r][c]);
+            }
+            const float block_top = _mm512_reduce_max_ps(top);
+            if (block_top == -INFINITY) {  /* this row sees none of these keys */
+                for (int c = 0; c < PA_KB / 16; c++) _mm512_store_ps(p[r] + 16 * c, _mm512_setzero_ps());
+                continue;
+            }
+            const float now = block_top > m[r] ? block_top : m[r];
+            const float keep = m[r] == -INFINITY ? 0.0f : expf(m[r] - now);
+            __m512 total = _mm512_setzero_ps();
+            for (int c = 0; c < PA_KB / 16; c++) {
+                const __m512 e = _mm512_maskz_mov_ps(seen[c], exp16(_mm512_sub_ps(s[r][c], _mm512_set1_ps(now))));
+                _mm512_store_ps(p[r] + 16 * c, e);
+                total = _mm512_add_ps(total, e);
+            }
+            l[r] = l[r] * keep + _mm512_reduce_add_ps(total);
+            m[r] = now;
+            const __m512 kv = _mm512_set1_ps(keep);
+            for (int c = 0; c < DV; c++) o[r][c] = _mm512_mul_ps(o[r][c], kv);
+        }
+        const int64_t stop = end - k0 < PA_KB ? end - k0 : PA_KB;
+        for (int64_t t = 0; t < stop; t++) {
+            const float *vr = v + (k0 + t) * D;
+            __m512 vv[8];
+            for (int c = 0; c < DV; c++) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+            for (int r = 0; r < R; r++) {
+                const __m512 pb = _mm512_set1_ps(p[r][t]);
+                for (int c = 0; c < DV; c++) o[r][c] = _mm512_fmadd_ps(pb, vv[c], o[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int c = 0; c < DV; c++) _mm512_storeu_ps(out + r * D + 16 * c, _mm512_mul_ps(o[r][c], inv));
+    }
+}
+
+/* The query rows [i0, i0 + n) of one head: blocks of R rows (R = 4 for D = 64, 2 for 128). */
+INLINE void prefill_block(const int DV, const float *q, int64_t D, const float *kt, int64_t cap,
+                          const float *v, const int64_t *last, int64_t n, float scale, float *out) {
+    int any_blind = 0;
+    for (int64_t r = 0; r < n; r++) any_blind |= last[r] < 0;
+    const int R = DV == 4 ? 4 : 2;
+    if (!any_blind && n == R) {
+        if (R == 4) prefill_rows(4, 4, q, D, kt, cap, v, last, scale, out);
+        else prefill_rows(2, 8, q, D, kt, cap, v, last, scale, out);
+        return;
+    }
+    for (int64_t r = 0; r < n; r++) {  /* a short block, or rows that see nothing (NaN) */
+        if (last[r] < 0) { for (int64_t d = 0; d < D; d++) out[r * D + d] = NAN; continue; }
+        if (DV == 4) prefill_rows(1, 4, q + r * D, D, kt, cap, v, last + r, scale, out + r * D);
+        else prefill_rows(1, 8, q + r * D, D, kt, cap, v, last + r, scale, out + r * D);
+    }
+}
+#endif
+
+int fuel_prefill_attn_kv(const float *q, const void *kc, const void *vc, const void *table,
+                         const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
+                         int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
+                         float scale, int kv_fmt) {
+#ifdef __AVX512F__
+    if ((kv_fmt != F32 && kv_fmt != F16 && kv_fmt != BF16) || (D != 64 && D != 128)
+        || Hkv <= 0 || Hq % Hkv) return -1;
+    const int64_t group = Hq / Hkv, capacity = W * bs, DV = D / 16, R = DV == 4 ? 4 : 2;
+    int64_t cap = 0;  /* positions gathered a (sequence, kv head), rounded up to a key block */
+    for (int64_t b = 0; b < B; b++) {  /* every block a query will read must be in the cache */
+        int64_t seen = idx_at(lens, b, index_bytes);
+        seen = seen > capacity ? capacity : seen < 0 ? 0 : seen;
+        for (int64_t j = 0; j * bs < seen; j++) {
+            const int64_t blk = idx_at(table, b * W + j, index_bytes);
+            if (blk < 0 || blk >= blocks) return -2;
+        }
+        if (seen > cap) cap = seen;
+    }
+    cap = (cap + PA_KB - 1) / PA_KB * PA_KB;
+    if (cap == 0) cap = PA_KB;
+    const size_t per = (size_t)(2 * cap * D);
+    float *gathered = (float *)calloc((size_t)(B * Hkv) * per + 16, sizeof(float));
+    if (!gathered) return -1;
+    const int64_t pairs = B * Hkv;
+    const int parallel = L * Hq > 1;
+    #pragma omp parallel if (parallel)
+    {
+        float widened[128];
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < pairs; u++) {  /* gather: keys transposed, values as rows */
+            const int64_t b = u / Hkv, kv = u % Hkv;
+            int64_t seen = idx_at(lens, b, index_bytes);
+            seen = seen > capacity ? capacity : seen;
+            float *kt = gathered + (size_t)u * per, *v = kt + cap * D;
+            for (int64_t t = 0; t < seen; t++) {
+                const int64_t row = cache_row_at(table, b, W, t, bs, Hkv, kv, index_bytes);
+                const float *key = cache_row(kv_fmt, kc, row, D, widened);
+                for (int64_t d = 0; d < D; d++) kt[d * cap + t] = key[d];
+                memcpy(v + t * D, cache_row(kv_fmt, vc, row, D, widened), sizeof(float) * (size_t)D);
+            }
+        }
+        const int64_t chunks = (L + R - 1) / R, units = B * Hq * chunks;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) {  /* the later row blocks first: the most keys */
+            const int64_t w = units - 1 - u;
+            const int64_t b = w / (Hq * chunks), h = (w / chunks) % Hq, i0 = (w % chunks) * R;
+            const int64_t n = L - i0 < R ? L - i0 : R;
+            const int64_t context = idx_at(lens, b, index_bytes);
+            int64_t last[4];
+            for (int64_t r = 0; r < n; r++) {
+                int64_t visible = context - L + i0 + r + 1;
+                if (visible > capacity) visible = capacity;
+                last[r] = visible - 1;
+            }
+            const float *kt = gathered + (size_t)(b * Hkv + h / group) * per;
+            const size_t at = (size_t)(((b * Hq + h) * L + i0) * D);
+            if (DV == 4) prefill_block(4, q + at, D, kt, cap, kt + cap * D, last, n, scale, out + at);
+            else prefill_block(8, q + at, D, kt, cap, kt + cap * D, last, n, scale, out + at);
+        }
+    }
+    free(gathered);
+    return 0;
+#else
+    (void)q; (void)kc; (void)vc; (void)table; (void)lens; (void)out; (void)B; (void)Hq; (void)L;
+    (void)D; (void)blocks; (void)bs; (void)Hkv; (void)W; (void)index_bytes; (void)scale; (void)kv_fmt;
+    return -1;
+#endif
+}
+
 #endif
