@@ -754,12 +754,12 @@ void fuel_prefetch(const void *p, int64_t bytes) { prefetch_span(p, bytes); }
 
 /* Dense GEMM for prompt chunks: out[M, N] = x[M, K] @ W[N, K]^T, W f32, f16 or bf16 as it is
    held (16-bit weights widened in registers: no f32 copy of the matrix is written and read back),
-   f32 accumulation. Register tiles of GEMM_M activation rows by GEMM_N weight rows, each output a
-   16-lane sum along K folded at the end (the weight rows of a tile stay in L1 while every
+   f32 accumulation. Register tiles of GEMM_TM activation rows by GEMM_TN weight rows, each output
+   a 16-lane (AVX2: 8-lane) sum along K folded at the end (the weight rows of a tile stay in L1 while every
    activation row of a block passes them); activation rows in blocks of GEMM_MB (they stay in
    L2), the weight tiles of each block shared out over the threads (the same share each block,
    so a thread's weights stay in its own cache). */
-#define GEMM_M 6
+#define GEMM_M 4  /* the largest tile's rows and weight rows (the accumulator arrays' bounds) */
 #define GEMM_N 6
 #ifdef __AVX512F__
 INLINE __m512 gemm_w16(int fmt, const uint8_t *row, int64_t k) {
@@ -832,29 +832,20 @@ INLINE void gemm_tile(const int fmt, const int rm, const int rn, const float *x,
 
 #ifdef GEMM_VECTOR
 #if defined(__AVX512F__)
-#ifndef GEMM_TM
 #define GEMM_TM 4  /* the full tile: 24 accumulators of 32 registers (measured 1.25x faster */
-#define GEMM_TN 6  /* than 6 x 4 here: fewer activation reloads outweigh the conversions) */
-#endif
+#define GEMM_TN 6  /* than 6 x 4 here: fewer passes over the activations outweigh the conversions) */
 #else
 #define GEMM_TM 3  /* 12 of 16 */
 #define GEMM_TN 4
 #endif
-#ifndef GEMM_MB
-#define GEMM_MB (16 * GEMM_TM)  /* activation rows a block: 64 (AVX-512) or 48 rows */
-#endif
+#define GEMM_MB (16 * GEMM_TM)  /* activation rows a block: 64 (AVX-512) or 48 (measured: 32, 64
+   and 128 alike at 256 rows here) */
 /* Activation rows [m0, m1) against weight rows [n0, n0 + rn), rn <= GEMM_TN. */
 INLINE void gemm_rows(const int fmt, const int rn, const float *x, int64_t m0, int64_t m1, int64_t K,
                       const uint8_t *w, int64_t row_bytes, float *out, int64_t N) {
     int64_t m = m0;
     for (; m + GEMM_TM <= m1; m += GEMM_TM) gemm_tile(fmt, GEMM_TM, rn, x + m * K, K, w, row_bytes, out + m * N, N);
-    switch (m1 - m) {
-#if GEMM_TM > 5
-    case 5: gemm_tile(fmt, 5, rn, x + m * K, K, w, row_bytes, out + m * N, N); break;
-    case 4: gemm_tile(fmt, 4, rn, x + m * K, K, w, row_bytes, out + m * N, N); break;
-#elif GEMM_TM > 4
-    case 4: gemm_tile(fmt, 4, rn, x + m * K, K, w, row_bytes, out + m * N, N); break;
-#endif
+    switch (m1 - m) {  /* the rows left: fewer than GEMM_TM */
     case 3: gemm_tile(fmt, 3, rn, x + m * K, K, w, row_bytes, out + m * N, N); break;
     case 2: gemm_tile(fmt, 2, rn, x + m * K, K, w, row_bytes, out + m * N, N); break;
     case 1: gemm_tile(fmt, 1, rn, x + m * K, K, w, row_bytes, out + m * N, N); break;
