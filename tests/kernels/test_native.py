@@ -682,13 +682,15 @@ def test_prefill_attention_equals_the_recipe_on_f32_and_half_caches(lib, half, h
         k_cache, v_cache = k_cache.to(half), v_cache.to(half)
     table = torch.stack([torch.randperm(40, generator=generator)[:12] for _ in range(3)])
     lens = torch.tensor([150, 60, 400])  # a later chunk; 10 rows that see nothing; capped at 192
-    for index in (torch.int64, torch.int32):
-        got = lib.prefill_attn(q, k_cache, v_cache, table.to(index), lens.to(index), 0.3)
+    # as a step feeds it: heads and rows permuted out of the projection (a strided view)
+    strided = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    for index, queries in ((torch.int64, q), (torch.int32, strided)):
+        got = lib.prefill_attn(queries, k_cache, v_cache, table.to(index), lens.to(index), 0.3)
         if not _HAS_AVX512:  # no kernel: the caller's SDPA stands (tests/jit)
             assert got is None
             continue
         want = _prefill_reference(q, k_cache.float(), v_cache.float(), table, lens, 0.3)
-        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert got.is_contiguous() and torch.equal(torch.isnan(got), torch.isnan(want))
         seen = ~torch.isnan(want)
         assert seen.any() and (got[seen].double() - want[seen]).abs().max().item() < 2e-5
 
@@ -724,15 +726,24 @@ def test_the_synthesized_paged_kernel_runs_a_prompt_chunk_on_the_native_flash_at
     answer = synth.synthesize(request_for(graph, node))
     assert isinstance(answer, Synthesized) and answer.entry_point.startswith("native:")
     kernel = synth.take_kernel(answer.entry_point)
-    calls = []
+    calls, calls_native = [], []
     real = type(lib).prefill_attn
-    monkeypatch.setattr(type(lib), "prefill_attn",
-                        lambda self, *args: calls.append(args[0].shape) or real(self, *args))
+
+    def spy(self, *args):
+        calls.append(args[0].shape)
+        out = real(self, *args)
+        calls_native.append(out is not None)
+        return out
+
+    monkeypatch.setattr(type(lib), "prefill_attn", spy)
     generator = torch.Generator().manual_seed(8)
-    qv = torch.randn(1, 6, 20, 64, generator=generator)
+    # q as a step hands it over: permuted out of the projection's [rows, heads, dim]
+    qv = torch.randn(1, 20, 6, 64, generator=generator).permute(0, 2, 1, 3)
     kc, vc = (torch.randn(8, 16, 2, 64, generator=generator) for _ in range(2))
     table, lens = torch.randperm(8, generator=generator)[None], torch.tensor([90])
     got = kernel.run(qv, kc, vc, table, lens)
     assert calls == [torch.Size([1, 6, 20, 64])]
+    if _HAS_AVX512:  # the native kernel took the strided view (SDPA on it was ~10x slower)
+        assert calls_native == [True]
     want = _prefill_reference(qv, kc, vc, table, lens, 0.125)
     assert (got.double() - want).abs().max().item() < 2e-5

@@ -125,7 +125,7 @@ class NativeKernels:
         lib.fuel_paged_attn_kv.restype = ctypes.c_int
         lib.fuel_kv_write_rows.argtypes = lib.fuel_kv_write.argtypes
         lib.fuel_prefill_attn_kv.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [
-            ctypes.c_int, ctypes.c_float, ctypes.c_int]
+            ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ctypes.c_int64] * 3
         lib.fuel_prefill_attn_kv.restype = ctypes.c_int
         lib.fuel_kv_write_rows.restype = ctypes.c_int
         lib.fuel_cast_half.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
@@ -229,7 +229,9 @@ class NativeKernels:
         """Paged attention of a prompt chunk (many f32 query rows ``q [B, Hq, L, D]`` a
         sequence) over f32, bf16 or f16 caches, with :meth:`paged_attn`'s semantics (no soft
         cap): flash attention over blocks of 64 keys, each (sequence, kv head)'s rows gathered
-        and widened once (``fuel_prefill_attn_kv`` in ``gemv.c``). None where this build or these
+        and widened once (``fuel_prefill_attn_kv`` in ``gemv.c``). ``q`` may be a strided view
+        (heads and rows permuted out of a projection, as a step's are: only its last dim must be
+        contiguous); the result is contiguous. None where this build or these
         operands have no such kernel (no AVX-512; a head dim other than 64 or 128; another
         dtype or layout): the caller's SDPA stands. Raises IndexError when a block a query reads
         is outside the cache."""
@@ -240,7 +242,7 @@ class NativeKernels:
                 and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
                 and str(k_cache.dtype) in KV_CODES
                 and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-                and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and q.stride(3) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and block_table.is_contiguous() and context_lens.is_contiguous()
                 and q.shape[3] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
                 and block_table.dim() == 2 and block_table.shape[0] == q.shape[0]
@@ -248,11 +250,12 @@ class NativeKernels:
             return None
         batch, heads, rows, width = q.shape
         blocks, block_size, kv_heads, _ = k_cache.shape
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=torch.float32)
         status = self._lib.fuel_prefill_attn_kv(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), batch, heads, rows, width, blocks,
-            block_size, kv_heads, block_table.shape[1], index, scale, KV_CODES[str(k_cache.dtype)])
+            block_size, kv_heads, block_table.shape[1], index, scale, KV_CODES[str(k_cache.dtype)],
+            q.stride(0), q.stride(1), q.stride(2))
         if status == -2:
             raise IndexError("a block the paged attention reads is outside the KV cache")
         return out if status == 0 else None
