@@ -1535,25 +1535,28 @@ static inline int64_t idx_at(const void *p, int64_t i, int index_bytes) {
    |r| <= ln 2 / 2), exp(r) by its Taylor polynomial to r^6 (truncation < 1.3e-7 relative,
    about one ulp), 2^n built in the exponent bits. x is clamped to [-87.3, 88.7] (the normal
    range: below it the result is ~1e-38 where expf gives a denormal or 0, nothing a softmax
-   total of at least 1 can see); a NaN stays NaN. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)),
-                                         _mm256_set1_ps(88.7228f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
+   total of at least 1 can see); a NaN stays NaN. VECTOR_EXP writes it at one vector width: T the
+   vector type, I its integer type, P the intrinsics' prefix, W their width in bits, ROUND(v) to
+   the nearest integer, NAN_PASS(result, x) x where x is NaN. */
+#define VECTOR_EXP(NAME, T, I, P, W, ROUND, NAN_PASS)                                              \
+    static inline T NAME(T x) {                                                                    \
+        const T clamped = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3365f)), P##_set1_ps(88.7228f)); \
+        const T n = ROUND(P##_mul_ps(clamped, P##_set1_ps(1.44269504f)));                          \
+        T r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), clamped);                                \
+        r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                     \
+        T p = P##_set1_ps(1.0f / 720.0f);                                                          \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 120.0f));                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 24.0f));                                         \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 6.0f));                                          \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(0.5f));                                                 \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f));                                                 \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f));                                                 \
+        const I bits = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23); \
+        return NAN_PASS(P##_mul_ps(p, P##_castsi##W##_ps(bits)), x);                               \
+    }
+#define ROUND8(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define NAN_PASS8(result, x) _mm256_blendv_ps(result, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q))
+VECTOR_EXP(exp8, __m256, __m256i, _mm256, 256, ROUND8, NAN_PASS8)
 #endif
 
 /* silu(gate) * up, n elements: gate / (1 + exp(-gate)) * up, the exponentials eight at a time
@@ -1755,24 +1758,10 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
 #ifdef __AVX512F__
 #define PA_KB 64
 
-/* exp of sixteen floats: exp8's method (see there) at AVX-512 width. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)),
-                                         _mm512_set1_ps(88.7228f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+/* exp of sixteen floats: exp8 at AVX-512 width. */
+#define ROUND16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define NAN_PASS16(result, x) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), result, x)
+VECTOR_EXP(exp16, __m512, __m512i, _mm512, 512, ROUND16, NAN_PASS16)
 
 /* R query rows (row stride qs elements) of one head, rows' last visible positions `last` (all
    >= 0), over the gathered keys kt [D][cap] and values v [cap][D]; DV = D / 16; output rows
