@@ -46,8 +46,12 @@
 
    fuel_matmul streams each weight row once for all M activation rows (decode: M is a few rows);
    fuel_dequantize writes f32 rows for a GEMM library to multiply when M is large (prefill);
-   fuel_matmul_q8 streams the 32-weight block formats against activations rounded to 8 bits per
-   block, with integer dot products (its own section below states the rounding and the SIMD). */
+   fuel_gemm_dense multiplies a prompt chunk by a dense f32/f16/bf16 matrix as it is held (16-bit
+   weights widened in registers, register-tiled); fuel_matmul_q8 streams the 32-weight block
+   formats against activations rounded to 8 bits per block, with integer dot products (its own
+   section below states the rounding and the SIMD). Further down: rope, the KV cache writes,
+   paged attention for decode rows (fuel_paged_attn_kv) and for a prompt chunk (the flash
+   attention fuel_prefill_attn_kv), silu_mul, argmax and the half-precision casts. */
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
