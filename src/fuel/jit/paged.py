@@ -121,8 +121,9 @@ def prefill_attention(q, k_cache, v_cache, block_table, context_lens, scale: flo
     """A prompt chunk's paged attention as the native synthesizer's kernel runs it (and the
     ``cpu-local`` probe times it): the native library's flash attention
     (``NativeKernels.prefill_attn``: each sequence's cache rows gathered and widened once, blocks
-    of 64 keys, online softmax; 2-2.5x SDPA here at 48-256 rows) where the library loads and
-    takes the operands, else :func:`sdpa_prefill`. The same semantics either way; no soft cap."""
+    of 64 keys, online softmax; 2-3x SDPA here over up to 256 positions, about even at 1,024)
+    where the library loads and takes the operands, else :func:`sdpa_prefill`. The same
+    semantics either way; no soft cap."""
     from fuel.kernels import native
 
     lib = native.load()
