@@ -101,9 +101,7 @@ def quant_main(repeats: int) -> int:
     import torch
 
     from fuel.cost.profile import profile_kernel
-    from fuel.graph.ir import Graph
-    from fuel.graph.registry import FusedOpParams, FusedOps
-    from fuel.kernels.quant_blocks import KERNEL_LAYOUTS, dequantize, packed_row_bytes, random_blocks
+    from fuel.kernels.quant_blocks import KERNEL_LAYOUTS, dequantize, random_blocks
 
     from fuel.jit.native_synth import CpuSynthesizer
 
@@ -114,14 +112,7 @@ def quant_main(repeats: int) -> int:
     for layout in (*KERNEL_LAYOUTS, "int8_channel"):
         shapes = QUANT_SHAPES + (((49152, 576),) if layout == "q8_0" else ())
         for features, cols in shapes:
-            g = Graph()
-            x = g.input("x", (1, cols), DType.F32)
-            w = g.input("w", (features, packed_row_bytes(layout, cols)), DType.U8)
-            node = g.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, cols), x, w)
-            request = jit_request_for_unplaceable_fused(g, node, BackendId.CPU, cpu_table(),
-                                                        ArchSku.CPU, JitBudget(300_000))
-            record = adopt(synth, request, BackendId.CPU, table=cpu_table(),
-                           registry=RuntimeFusedRegistry(), profile_repeats=repeats)
+            record = _adopt_quant_linear(synth, layout, 1, features, cols, repeats)
             packed = random_blocks(layout, features, cols, torch.Generator().manual_seed(0))
             dense = dequantize(packed, layout, cols)
             act = torch.randn(1, cols)
@@ -143,14 +134,7 @@ def quant_main(repeats: int) -> int:
     for layout in ("f16", "bf16"):
         for rows in (1, 48):
             for features, cols in QUANT_SHAPES:
-                g = Graph()
-                x = g.input("x", (rows, cols), DType.F32)
-                w = g.input("w", (features, packed_row_bytes(layout, cols)), DType.U8)
-                node = g.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, cols), x, w)
-                request = jit_request_for_unplaceable_fused(g, node, BackendId.CPU, cpu_table(),
-                                                            ArchSku.CPU, JitBudget(300_000))
-                record = adopt(synth, request, BackendId.CPU, table=cpu_table(),
-                               registry=RuntimeFusedRegistry(), profile_repeats=repeats)
+                record = _adopt_quant_linear(synth, layout, rows, features, cols, repeats)
                 label = f"{features}x{cols}"
                 if record.kernel_ns is None:
                     failed += 1  # not even verified: a wrong kernel, never an ordinary "no"
@@ -163,6 +147,23 @@ def quant_main(repeats: int) -> int:
                       f"{record.decomposed_ns / 1e3:>9.1f}us {record.speedup:>7.2f}x  "
                       f"{record.max_abs_error:.1e}{bound} ({record.outcome.value})")
     return 0 if failed == 0 else 1
+
+
+def _adopt_quant_linear(synth, layout: str, rows: int, features: int, cols: int, repeats: int):
+    """Adoption's record (verification, both arms timed) for a ``quant_linear`` of ``rows``
+    activation rows against a ``features x cols`` matrix packed in ``layout``."""
+    from fuel.graph.ir import Graph
+    from fuel.graph.registry import FusedOpParams, FusedOps
+    from fuel.kernels.quant_blocks import packed_row_bytes
+
+    g = Graph()
+    x = g.input("x", (rows, cols), DType.F32)
+    w = g.input("w", (features, packed_row_bytes(layout, cols)), DType.U8)
+    node = g.fused(FusedOps.QUANT_LINEAR, FusedOpParams.QuantLinear(layout, cols), x, w)
+    request = jit_request_for_unplaceable_fused(g, node, BackendId.CPU, cpu_table(), ArchSku.CPU,
+                                                JitBudget(300_000))
+    return adopt(synth, request, BackendId.CPU, table=cpu_table(), registry=RuntimeFusedRegistry(),
+                 profile_repeats=repeats)
 
 
 if __name__ == "__main__":
