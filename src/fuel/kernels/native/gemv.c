@@ -766,7 +766,12 @@ void fuel_prefetch(const void *p, int64_t bytes) { prefetch_span(p, bytes); }
 #define GEMM_M 4  /* the largest tile's rows and weight rows (the accumulator arrays' bounds) */
 #define GEMM_N 6
 #ifdef __AVX512F__
-INLINE __m512 gemm_w16(int fmt, const uint8_t *row, int64_t k) {
+typedef __m512 gemm_vec;  /* one vector of K-lanes: 16 (AVX-512) or 8 (AVX2) */
+#define GEMM_LANES 16
+#define gemm_zero _mm512_setzero_ps
+#define gemm_load _mm512_loadu_ps
+#define gemm_fmadd _mm512_fmadd_ps
+INLINE __m512 gemm_weights(int fmt, const uint8_t *row, int64_t k) {
     return fmt == F32 ? _mm512_loadu_ps((const float *)row + k) : load16(fmt, row, k);
 }
 INLINE __m256 fold256(__m512 v) {
@@ -779,59 +784,51 @@ INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
                                        _mm256_hadd_ps(fold256(c), fold256(d)));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+/* s[j] = the lane sum of acc[j], j < rn. */
+INLINE void gemm_sums(const __m512 *acc, const int rn, float *s) {
+    int j = 0;
+    for (; j + 4 <= rn; j += 4) _mm_storeu_ps(s + j, reduce4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]));
+    for (; j < rn; j++) s[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#define GEMM_VECTOR 1
+#elif defined(__AVX2__) && defined(__F16C__)
+typedef __m256 gemm_vec;
+#define GEMM_LANES 8
+#define gemm_zero _mm256_setzero_ps
+#define gemm_load _mm256_loadu_ps
+#define gemm_fmadd _mm256_fmadd_ps
+INLINE __m256 gemm_weights(int fmt, const uint8_t *row, int64_t k) { return load8(fmt, row, k); }
+INLINE void gemm_sums(const __m256 *acc, const int rn, float *s) {
+    for (int j = 0; j < rn; j++) s[j] = hsum(acc[j]);
+}
+#define GEMM_VECTOR 1
+#endif
+
+#ifdef GEMM_VECTOR
 /* One rm x rn tile (rm <= GEMM_M, rn <= GEMM_N, constants at each call site). */
 INLINE void gemm_tile(const int fmt, const int rm, const int rn, const float *x, int64_t K,
                       const uint8_t *w, int64_t row_bytes, float *out, int64_t N) {
-    __m512 acc[GEMM_M][GEMM_N];
+    gemm_vec acc[GEMM_M][GEMM_N];
     for (int i = 0; i < rm; i++)
-        for (int j = 0; j < rn; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < rn; j++) acc[i][j] = gemm_zero();
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 a[GEMM_M];
-        for (int i = 0; i < rm; i++) a[i] = _mm512_loadu_ps(x + i * K + k);
+    for (; k + GEMM_LANES <= K; k += GEMM_LANES) {
+        gemm_vec a[GEMM_M];
+        for (int i = 0; i < rm; i++) a[i] = gemm_load(x + i * K + k);
         for (int j = 0; j < rn; j++) {
-            const __m512 b = gemm_w16(fmt, w + j * row_bytes, k);
-            for (int i = 0; i < rm; i++) acc[i][j] = _mm512_fmadd_ps(a[i], b, acc[i][j]);
+            const gemm_vec b = gemm_weights(fmt, w + j * row_bytes, k);
+            for (int i = 0; i < rm; i++) acc[i][j] = gemm_fmadd(a[i], b, acc[i][j]);
         }
     }
     for (int i = 0; i < rm; i++) {
         float s[GEMM_N];
-        int j = 0;
-        for (; j + 4 <= rn; j += 4)
-            _mm_storeu_ps(s + j, reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
-        for (; j < rn; j++) s[j] = _mm512_reduce_add_ps(acc[i][j]);
-        for (j = 0; j < rn; j++) {
+        gemm_sums(acc[i], rn, s);
+        for (int j = 0; j < rn; j++) {  /* the columns past the last whole vector */
             for (int64_t t = k; t < K; t++) s[j] += x[i * K + t] * dense_weight(fmt, w + j * row_bytes, t);
             out[i * N + j] = s[j];
         }
     }
 }
-#define GEMM_VECTOR 1
-#elif defined(__AVX2__) && defined(__F16C__)
-INLINE __m256 gemm_w8(int fmt, const uint8_t *row, int64_t k) { return load8(fmt, row, k); }
-/* AVX2: 16 registers, so tiles of at most 3 x 4 (12 accumulators, 8 lanes along K). */
-INLINE void gemm_tile(const int fmt, const int rm, const int rn, const float *x, int64_t K,
-                      const uint8_t *w, int64_t row_bytes, float *out, int64_t N) {
-    __m256 acc[GEMM_M][GEMM_N];
-    for (int i = 0; i < rm; i++)
-        for (int j = 0; j < rn; j++) acc[i][j] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 a[GEMM_M];
-        for (int i = 0; i < rm; i++) a[i] = _mm256_loadu_ps(x + i * K + k);
-        for (int j = 0; j < rn; j++) {
-            const __m256 b = gemm_w8(fmt, w + j * row_bytes, k);
-            for (int i = 0; i < rm; i++) acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
-        }
-    }
-    for (int i = 0; i < rm; i++)
-        for (int j = 0; j < rn; j++) {
-            float s = hsum(acc[i][j]);
-            for (int64_t t = k; t < K; t++) s += x[i * K + t] * dense_weight(fmt, w + j * row_bytes, t);
-            out[i * N + j] = s;
-        }
-}
-#define GEMM_VECTOR 1
 #endif
 
 #ifdef GEMM_VECTOR
@@ -839,7 +836,7 @@ INLINE void gemm_tile(const int fmt, const int rm, const int rn, const float *x,
 #define GEMM_TM 4  /* the full tile: 24 accumulators of 32 registers (measured 1.25x faster */
 #define GEMM_TN 6  /* than 6 x 4 here: fewer passes over the activations outweigh the conversions) */
 #else
-#define GEMM_TM 3  /* 12 of 16 */
+#define GEMM_TM 3  /* AVX2: 12 accumulators of 16 registers */
 #define GEMM_TN 4
 #endif
 #define GEMM_MB (16 * GEMM_TM)  /* activation rows a block: 64 (AVX-512) or 48 (measured: 32, 64
@@ -1761,6 +1758,7 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
    sees. AVX-512 and head dims of 64 or 128 only (-1 otherwise: the caller's SDPA stands). */
 #ifdef __AVX512F__
 #define PA_KB 64
+#define PA_ROWS(DV) ((DV) == 4 ? 4 : 2)  /* query rows a block: their outputs stay in registers */
 
 /* exp of sixteen floats: exp8 at AVX-512 width. */
 #define ROUND16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
@@ -1845,7 +1843,7 @@ INLINE void prefill_block(const int DV, const float *q, int64_t qs, int64_t D, c
                           float *out) {
     int any_blind = 0;
     for (int64_t r = 0; r < n; r++) any_blind |= last[r] < 0;
-    const int R = DV == 4 ? 4 : 2;
+    const int R = PA_ROWS(DV);
     if (!any_blind && n == R) {
         if (R == 4) prefill_rows(4, 4, q, qs, D, kt, cap, v, last, scale, out);
         else prefill_rows(2, 8, q, qs, D, kt, cap, v, last, scale, out);
@@ -1866,7 +1864,7 @@ int fuel_prefill_attn_kv(const float *q, const void *kc, const void *vc, const v
 #ifdef __AVX512F__
     if ((kv_fmt != F32 && kv_fmt != F16 && kv_fmt != BF16) || (D != 64 && D != 128)
         || Hkv <= 0 || Hq % Hkv) return -1;
-    const int64_t group = Hq / Hkv, capacity = W * bs, DV = D / 16, R = DV == 4 ? 4 : 2;
+    const int64_t group = Hq / Hkv, capacity = W * bs, DV = D / 16, R = PA_ROWS(DV);
     int64_t cap = 0;  /* positions gathered a (sequence, kv head), rounded up to a key block */
     for (int64_t b = 0; b < B; b++) {  /* every block a query will read must be in the cache */
         int64_t seen = idx_at(lens, b, index_bytes);
