@@ -350,12 +350,19 @@ class LinearLayout(Enum):
     """The weight as it is, ``F.linear`` (any non-CPU device)."""
 
 
+HALF_GEMM_NATIVE = frozenset(
+    {torch.bfloat16} if (torch.backends.mkldnn.is_available()
+                         and torch.ops.mkldnn._is_mkldnn_bf16_supported()) else set())
+"""The 16-bit formats torch's CPU GEMM multiplies in that format at full speed here (oneDNN's
+bf16 path on AVX-512 BF16 / AMX), which :func:`half_chunk_linear` runs as they are and
+:func:`linear_layout` packs for oneDNN."""
+
+
 def linear_layout(dtype: torch.dtype, device: torch.device) -> LinearLayout:
     """The layout :func:`_fused_linear` uses for weights of ``dtype`` on ``device``."""
     if device.type != "cpu":
         return LinearLayout.CHECKPOINT
-    if (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if dtype in HALF_GEMM_NATIVE:
         return LinearLayout.ONEDNN_PACKED
     return LinearLayout.TRANSPOSED
 
@@ -462,13 +469,6 @@ def half_chunk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w).float()
 
 
-HALF_GEMM_NATIVE = frozenset(
-    {torch.bfloat16} if (torch.backends.mkldnn.is_available()
-                         and torch.ops.mkldnn._is_mkldnn_bf16_supported()) else set())
-"""The 16-bit formats torch's CPU GEMM multiplies in that format at full speed here (oneDNN's
-bf16 path on AVX-512 BF16 / AMX), which :func:`half_chunk_linear` runs as they are."""
-
-
 def _matmul(node: Node):
     """``torch.matmul``, except an f32 prompt chunk against a transposed ``[N, K]`` weight (a
     quantized or half matrix's recipe: dequantize, transpose, matmul), which runs as
@@ -504,13 +504,12 @@ def _fused_linear(node: Node):
             return checkpoint_linear(x, w, bias)
         if (stream is not None and x.device.type == "cpu" and w.dim() == 2
                 and w.dtype in (torch.float16, torch.bfloat16) and w.dtype not in HALF_GEMM_NATIVE):
-            # A 16-bit matrix torch cannot multiply fast in its format (f16 here): the native
-            # GEMM, weights widened in registers (half_chunk_linear's kernel for such a matrix).
-            out = stream.gemm(NATIVE_WEIGHT_FORMATS[w.dtype], x, w, x.shape[-1])
-            if out is not None:
-                if bias is not None:
-                    out += bias
-                return out if x.dtype == torch.float32 else out.to(x.dtype)
+            # A 16-bit matrix torch cannot multiply fast in its format (f16 here): the kernel a
+            # prompt chunk of it runs everywhere (the native GEMM, weights widened in registers).
+            out = half_chunk_linear(x, w)
+            if bias is not None:
+                out += bias
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         layout, prepared = PREPARED_WEIGHTS.get(w)
         if layout is LinearLayout.CHECKPOINT:
             return F.linear(x, w, bias)

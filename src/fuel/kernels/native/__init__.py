@@ -394,14 +394,16 @@ class NativeKernels:
         weight = w if w.is_contiguous() else w.contiguous()
         n = weight.shape[0]
         row_bytes = weight.stride(0) * weight.element_size()
-        out = torch.empty((rows.shape[0], n), dtype=torch.float32)
         if rows.shape[0] <= STREAM_ROWS:
+            out = torch.empty((rows.shape[0], n), dtype=torch.float32)
             call = self._lib.fuel_matmul_q8 if activations == "q8" else self._call
             status = call(code, rows.data_ptr(), weight.data_ptr(), out.data_ptr(),
                           rows.shape[0], n, cols, row_bytes, threads)
         else:
             status, step = 0, max(1, TILE_ELEMENTS // cols)
             tile = torch.empty((min(step, n), cols), dtype=torch.float32)
+            # one tile: its product is the result (no second [M, N] buffer to copy it into)
+            out = None if n <= step else torch.empty((rows.shape[0], n), dtype=torch.float32)
             for start in range(0, n, step):
                 count = min(step, n - start)
                 status = self._lib.fuel_dequantize(code, weight.data_ptr() + start * row_bytes,
@@ -410,10 +412,11 @@ class NativeKernels:
                     break
                 # oneDNN's f32 linear on the tile as it lies (checkpoint_linear): 1.3x MKL's
                 # mm at 48 rows of SmolLM2's q4_1 matrices here, 2x at 256
-                if count == n:
-                    out = checkpoint_linear(rows, tile)
+                product = checkpoint_linear(rows, tile[:count])
+                if out is None:
+                    out = product
                 else:
-                    out[:, start:start + count] = checkpoint_linear(rows, tile[:count])
+                    out[:, start:start + count] = product
         if status != 0:
             raise ValueError(f"native matmul refused {fmt} with {cols} columns")
         return out if len(lead) == 1 else out.reshape(*lead, n)
