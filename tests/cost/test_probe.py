@@ -22,7 +22,8 @@ def test_probe_yields_positive_numbers_and_is_cached(isolated_cache):
 
 def test_cached_numbers_are_used_without_measuring(isolated_cache, monkeypatch):
     first = device("cpu-local")
-    monkeypatch.setattr(probe, "measure_cpu_local", lambda: pytest.fail("should use the cache"))
+    monkeypatch.setattr(probe, "measure_cpu_local", lambda *a: pytest.fail("should use the cache"))
+    monkeypatch.setattr(probe, "_measure_halves", lambda *a: pytest.fail("should use the cache"))
     assert device("cpu-local") == first
 
 
@@ -37,8 +38,9 @@ def test_reprobe_measures_again_and_rewrites_the_cache(isolated_cache, monkeypat
     "hot_call_ns": 1, "stream_note": "fake",
         "fp32_gemm_rows_flops": [[16, 4e8], [256, 1e9]], "bf16_gemm_rows_flops": [[16, 5e8], [256, 2e9]],
         "fp16_gemm_rows_flops": None, "attention_rows_flops": [[16, 1e8], [256, 4e8]],
+        "bf16_gemm_rows_fit": None, "fp16_gemm_rows_fit": None, "half_bandwidth_by_bytes": [],
     }
-    monkeypatch.setattr(probe, "measure_cpu_local", lambda: dict(fake))
+    monkeypatch.setattr(probe, "measure_cpu_local", lambda *a: dict(fake))
     spec = device("cpu-local", reprobe=True)
     assert (spec.bandwidth_bytes_per_s, spec.launch_overhead_ns) == (5e9, 6)
     assert (spec.cache_bytes, spec.cache_bandwidth_bytes_per_s) == (8, 9e9)
@@ -326,3 +328,79 @@ def test_the_per_call_overhead_is_the_calls_own_time_whatever_the_stream_does(mo
         fake, lambda x, w: busy(rng.randrange(0, 20_000_000)))
     assert count == 6 and bandwidth > 0
     assert 38_000 <= per_call <= 60_000, per_call
+
+
+_CORE = {"fp32_flops": 1e9, "bf16_flops": 2e9, "fp16_flops": 3e9, "vector_flops": 4e9,
+         "fp32_gemv_flops": 1.5e9, "bf16_gemv_flops": 2.5e8, "fp16_gemv_flops": 3.5e8,
+         "bandwidth_bytes_per_s": 5e9, "copy_bytes_per_s": 2e9, "launch_overhead_ns": 6,
+         "memory_bytes": 7, "cache_bytes": None, "cache_bandwidth_bytes_per_s": None,
+         "cache_note": "fake", "hot_call_ns": 1, "stream_note": "fake",
+         "fp32_gemm_rows_flops": [[16, 4e8], [256, 1e9]], "fp32_gemm_rows_fit": None,
+         "attention_rows_flops": None, "attention_rows_fit": None, "bandwidth_by_bytes": []}
+
+
+def _fake_halves(measured: list):
+    def halves(torch, names, llc, *progress):
+        measured.append(tuple(names))
+        numbers = {"half_bandwidth_by_bytes": [[1 << 20, 7e9]]} if names else {}
+        for rate, name in enumerate(names, start=2):
+            numbers[f"{name}_gemm_rows_flops"] = [[16, rate * 1e8], [256, rate * 1e9]]
+            numbers[f"{name}_gemm_rows_fit"] = [[128, 1e4, rate * 1e9]]
+        return numbers
+    return halves
+
+
+def test_a_16bit_section_is_probed_once_the_first_time_its_dtype_is_asked_for(isolated_cache, monkeypatch):
+    # Why: the 16-bit prompt-chunk curves took ~2 s of a cold first token's ~4 s probe, and a
+    # run of f32 or stored weights never reads them. Each is measured when a run first asks for
+    # its dtype, then kept in the cache beside the rest.
+    import torch
+
+    measured, cores = [], []
+    monkeypatch.setattr(probe, "_measure_halves", _fake_halves(measured))
+
+    def core(threads=None, halves=probe.HALVES):
+        cores.append(threads)
+        return {**_CORE, "torch_threads": torch.get_num_threads(),
+                **probe._measure_halves(torch, halves, 0)}
+
+    monkeypatch.setattr(probe, "measure_cpu_local", core)
+    spec = probe.cpu_local_spec(halves=())
+    assert (cores, measured) == ([None], [()])
+    assert set(spec.gemm_rows_flops) == {PeakClass.FP32} and spec.half_bandwidth_by_bytes == ()
+    bf16 = probe.cpu_local_spec(halves=("bf16",))
+    assert (len(cores), measured[1:]) == (1, [("bf16",)])  # the section alone, not a new probe
+    assert bf16.gemm_rows_flops[PeakClass.BF16] == ((16, 2e8), (256, 2e9))
+    assert bf16.half_bandwidth_by_bytes == ((1 << 20, 7e9),)
+    assert bf16.matrix_peak("bf16", rows=16) == 2e8 and spec.matrix_peak("bf16", rows=16) == 2e9
+    cached = json.loads(probe.cache_path().read_text())["numbers"]
+    assert cached["bf16_gemm_rows_flops"] == [[16, 2e8], [256, 2e9]] and "fp16_gemm_rows_flops" not in cached
+    # cached now: asked again, nothing is measured; asked without it, the spec does not carry it
+    assert probe.cpu_local_spec(halves=("bf16",)) == bf16
+    assert probe.cpu_local_spec(halves=()) == spec
+    assert len(measured) == 2
+    both = probe.cpu_local_spec()
+    assert measured[2:] == [("fp16",)]
+    assert set(both.gemm_rows_flops) == {PeakClass.FP32, PeakClass.BF16, PeakClass.FP16}
+    with pytest.raises(ValueError, match="no 16-bit probe section 'f16'"):
+        probe.cpu_local_spec(halves=("f16",))
+
+
+def test_a_run_prices_with_the_probe_sections_of_its_own_weights(isolated_cache, monkeypatch):
+    # Why: what a run prices must not depend on which runs came before it on this machine; a
+    # bf16 run reads the bf16 chunk curve, an f32 or stored run none of the 16-bit ones.
+    import torch
+
+    from fuel.kernels import cpu_table
+    from fuel.runtime.model import jit_options
+
+    measured = []
+    monkeypatch.setattr(probe, "_measure_halves", _fake_halves(measured))
+    monkeypatch.setattr(probe, "measure_cpu_local", lambda threads=None, halves=probe.HALVES: {
+        **_CORE, "torch_threads": torch.get_num_threads(), **probe._measure_halves(torch, halves, 0)})
+    curves = {dtype: set(jit_options(cpu_table(), store_path=isolated_cache / "judge.sqlite",
+                                     dtype=dtype).optimize.device_spec.gemm_rows_flops)
+              for dtype in ("bf16", "f32", "stored", "f16")}
+    assert curves == {"bf16": {PeakClass.FP32, PeakClass.BF16}, "f32": {PeakClass.FP32},
+                      "stored": {PeakClass.FP32}, "f16": {PeakClass.FP32, PeakClass.FP16}}
+    assert measured == [("bf16",), ("fp16",)]

@@ -129,6 +129,8 @@ _FAKE_PROBE = {
     "bandwidth_bytes_per_s": 5e9, "launch_overhead_ns": 6, "memory_bytes": 7, "torch_threads": 1,
     "cache_bytes": 8, "cache_bandwidth_bytes_per_s": 9e9, "cache_note": "fake",
     "hot_call_ns": 1, "stream_note": "fake",
+    **{f"{name}_gemm_rows_{what}": None for name in ("bf16", "fp16") for what in ("flops", "fit")},
+    "half_bandwidth_by_bytes": [],
 }
 
 
@@ -137,7 +139,7 @@ def test_a_probe_that_cannot_be_cached_is_still_used(fault, small_fs, monkeypatc
     from fuel.cost import probe
 
     monkeypatch.setenv("FUEL_CACHE_DIR", str(small_fs.path))
-    monkeypatch.setattr(probe, "measure_cpu_local", lambda: dict(_FAKE_PROBE))
+    monkeypatch.setattr(probe, "measure_cpu_local", lambda *a: dict(_FAKE_PROBE))
     if fault == "read-only":
         small_fs.make_read_only()
     with small_fs.full() if fault == "full" else contextlib.nullcontext():

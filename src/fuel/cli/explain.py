@@ -98,6 +98,7 @@ def explain_command(
         raise InputError("command line", "--spec", "a cuda device needs a spec to price on (see `fuel devices`)")
 
     from fuel.cost import JudgeOracle, device as device_spec
+    from fuel.cost.probe import halves_for
     from fuel.kernels import torch_table
     from fuel.optimize import OptimizeOptions, optimize_graph
     from fuel.optimize.render import render_explanation
@@ -127,7 +128,8 @@ def explain_command(
     # The CPU's requests are shown; a CUDA request needs the GPU's compute capability, which an
     # offline explain does not know.
     jit_arch = ArchSku.CPU if device.backend is BackendId.CPU else None
-    options = OptimizeOptions(device=device, device_spec=device_spec(spec_name),
+    options = OptimizeOptions(device=device,
+                              device_spec=device_spec(spec_name, halves=halves_for(dtype)),
                               table=table, judge=oracle, jit_arch=jit_arch, runtime=runtime,
                               jit_budget=JitBudget(max_compile_ms=JIT_BUDGET_MS))
     optimized = optimize_graph(step.graph, step.roots, options)

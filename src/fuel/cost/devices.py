@@ -154,13 +154,15 @@ def device_names() -> list[str]:
     return sorted([*specs, *probed])
 
 
-def device(name: str, *, reprobe: bool = False) -> DeviceSpec:
-    """The spec for ``name``; ``cpu-local`` comes from the (cached) probe of this machine."""
+def device(name: str, *, reprobe: bool = False, halves: tuple[str, ...] | None = None) -> DeviceSpec:
+    """The spec for ``name``; ``cpu-local`` comes from the (cached) probe of this machine, with
+    the prompt-chunk curves of the 16-bit dtypes in ``halves`` (``bf16``, ``fp16``; None: both),
+    each probed the first time one is asked for (:func:`fuel.cost.probe.cpu_local_spec`)."""
     specs, probed = _load_default()
     if name == CPU_LOCAL and name in probed:
-        from fuel.cost.probe import cpu_local_spec
+        from fuel.cost.probe import HALVES, cpu_local_spec
 
-        return cpu_local_spec(reprobe=reprobe)
+        return cpu_local_spec(reprobe=reprobe, halves=HALVES if halves is None else halves)
     if name in specs:
         return specs[name]
     raise UnknownDeviceError(name, device_names())

@@ -69,7 +69,11 @@ from the kernels fuel's CPU backend really calls, the way it calls them:
   torch call.
 - Memory size: physical RAM.
 
-The probe takes a few seconds on a quiet machine (each rate is a handful of timed calls).
+The probe takes a few seconds on a quiet machine (each rate is a handful of timed calls). The
+16-bit dtypes' prompt-chunk curves (their rows rates and fits, and the by-size stream rate of
+16-bit weights) are sections of their own, measured the first time a run or plan asks for that
+dtype (:func:`cpu_local_spec`'s ``halves``) and added to the cache: they were about half of a
+cold probe, which a run of f32 or stored weights never reads.
 The result is cached as JSON under ``$FUEL_CACHE_DIR`` (default ``~/.cache/fuel``) in
 ``devices/cpu-local-<hash>-v<format version>.json``, keyed by the device fingerprint and library versions, so a
 new CPU or a new torch probes afresh. ``reprobe=True`` measures again and overwrites. A cache
@@ -425,7 +429,9 @@ def _linear_rows_rates(torch, dtype, call_ns: float
     count = max(2, _ROWS_SET_BYTES // (k * n * torch.empty((), dtype=dtype).element_size()))
     if call_ns * count * (1 + 1 / _NARROW) > _ROWS_BUDGET_NS:
         return None
-    weights = {width: [torch.randn(width, k).to(dtype) for _ in range(count)] for width in (n, narrow)}
+    # distinct copies of one random weight per width (drawing each anew took ~0.2 s a dtype)
+    bases = {width: torch.randn(width, k).to(dtype) for width in (n, narrow)}
+    weights = {width: [base.clone() for _ in range(count)] for width, base in bases.items()}
     rates, fits = [], []
     for rows in _GEMM_ROWS:
         x = torch.randn(rows, k)
@@ -498,9 +504,23 @@ def _attention_rows_rates(torch) -> tuple[list[list[float]], list[list[float]]] 
     return rates, fits
 
 
-def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str]:
+HALVES = ("bf16", "fp16")
+"""The 16-bit dtypes whose prompt-chunk curves (rows rates and fits) and by-size stream rates
+are probed only when a run or plan asks for that dtype (:func:`cpu_local_spec`)."""
+
+
+def halves_for(dtype: str) -> tuple[str, ...]:
+    """The 16-bit sections a run of ``dtype`` weights (``f32``, ``bf16``, ``f16``, ``stored``)
+    prices with: its own 16-bit dtype's; none for f32 or stored weights (their products
+    compute in f32)."""
+    return {"bf16": ("bf16",), "f16": ("fp16",)}.get(dtype, ())
+
+
+def measure_cpu_local(threads: int | None = None, halves: tuple[str, ...] = HALVES
+                      ) -> dict[str, float | int | str]:
     """Run the probes (with ``threads`` torch threads, else torch's default); return the raw
-    numbers (see the module docstring)."""
+    numbers (see the module docstring): every dtype's peaks and matrix-vector rate, f32's
+    rows curve, and the 16-bit sections of ``halves`` (:func:`_measure_halves`)."""
     import torch
 
     if threads is not None:
@@ -513,7 +533,7 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
     numbers: dict[str, float | int | str] = {}
     m, k, n = _GEMM_SHAPE
     rows, cols = _GEMV_SHAPE
-    total = 2 * len(_DTYPES) + 5
+    total = len(_DTYPES) + 6 + len(halves)
     with current().task("probing this machine (cpu-local, once)", total=total) as task:
         def step(what: str) -> None:
             task.update(description=f"probing this machine (cpu-local, once): {what}")
@@ -523,18 +543,15 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
             dtype = getattr(torch, torch_name)
             step(f"{name} matrix product")
             numbers[f"{name}_flops"], gemm_ns = _linear_rate(torch, dtype, m, k, n)
-            step(f"{name} matrix product by rows")
-            measured = _linear_rows_rates(torch, dtype, gemm_ns)
-            numbers[f"{name}_gemm_rows_flops"] = measured[0] if measured else None
-            numbers[f"{name}_gemm_rows_fit"] = measured[1] if measured else None
-            task.advance()
+            if name == "fp32":
+                step(f"{name} matrix product by rows")
+                measured = _linear_rows_rates(torch, dtype, gemm_ns)
+                numbers[f"{name}_gemm_rows_flops"] = measured[0] if measured else None
+                numbers[f"{name}_gemm_rows_fit"] = measured[1] if measured else None
             # The f32 product is the bandwidth probe: always timed on the full, DRAM-sized weight.
             step(f"{name} matrix-vector product")
             rate, _ = _linear_rate(torch, dtype, 1, cols, rows, shrink=name != "fp32")
             numbers[f"{name}_gemv_flops"] = rate
-            if name == "bf16":  # the 16-bit weights' kernel streams at its own rate by size
-                numbers["half_bandwidth_by_bytes"] = _stream_by_size(
-                    torch, _linear_kernel(torch, dtype), llc, dtype=dtype)
             if name == "fp32":
                 step("weight stream (bandwidth, per-call overhead)")
                 kernel = _linear_kernel(torch, dtype)
@@ -582,25 +599,58 @@ def measure_cpu_local(threads: int | None = None) -> dict[str, float | int | str
         # call's code and data cached adds nothing, and then its difference is noise).
         numbers["launch_overhead_ns"] = max(float(numbers["launch_overhead_ns"]), tiny.median_ns)
         task.advance()
+        numbers.update(_measure_halves(torch, halves, llc, step, task.advance))
     numbers["memory_bytes"] = _physical_memory_bytes()
     numbers["torch_threads"] = torch.get_num_threads()
     return numbers
 
 
-def _spec_from(numbers: dict, fingerprint: str) -> DeviceSpec:
+def _half_keys(name: str) -> tuple[str, ...]:
+    """The cached numbers a 16-bit dtype's section holds."""
+    return (f"{name}_gemm_rows_flops", f"{name}_gemm_rows_fit", "half_bandwidth_by_bytes")
+
+
+def _measure_halves(torch, halves: tuple[str, ...], llc: int, step=None, advance=None
+                    ) -> dict[str, object]:
+    """The 16-bit sections: per dtype of ``halves``, the prompt-chunk rows curve and fit
+    (:func:`_linear_rows_rates`); once for any, the by-size stream rate of 16-bit weights
+    (bf16's kernel, as both 16-bit formats' matrix-vector kernel widens in registers). They
+    take most of a cold probe (~2 s of ~4 here), and a run of f32 or stored weights never reads
+    them, so :func:`cpu_local_spec` measures a section the first time a run asks for its dtype."""
+    m, k, n = _GEMM_SHAPE
+    numbers: dict[str, object] = {}
+    names = dict(_DTYPES)
+    for name in halves:
+        dtype = getattr(torch, names[name])
+        if step is not None:
+            step(f"{name} matrix product by rows")
+        _, gemm_ns = _linear_rate(torch, dtype, m, k, n)  # the budget check's one call
+        measured = _linear_rows_rates(torch, dtype, gemm_ns)
+        numbers[f"{name}_gemm_rows_flops"] = measured[0] if measured else None
+        numbers[f"{name}_gemm_rows_fit"] = measured[1] if measured else None
+        if "half_bandwidth_by_bytes" not in numbers:
+            numbers["half_bandwidth_by_bytes"] = _stream_by_size(
+                torch, _linear_kernel(torch, torch.bfloat16), llc, dtype=torch.bfloat16)
+        if advance is not None:
+            advance()
+    return numbers
+
+
+def _spec_from(numbers: dict, fingerprint: str, halves: tuple[str, ...] = HALVES) -> DeviceSpec:
     classes = {"fp32": PeakClass.FP32, "bf16": PeakClass.BF16, "fp16": PeakClass.FP16}
     peaks = {cls: float(numbers[f"{name}_flops"]) for name, cls in classes.items()}
     gemv = {cls: float(numbers[f"{name}_gemv_flops"]) for name, cls in classes.items()}
+    curved = {name: cls for name, cls in classes.items() if name == "fp32" or name in halves}
     rows_curves = {cls: tuple((int(r), float(v)) for r, v in numbers[f"{name}_gemm_rows_flops"])
-                   for name, cls in classes.items() if numbers.get(f"{name}_gemm_rows_flops")}
+                   for name, cls in curved.items() if numbers.get(f"{name}_gemm_rows_flops")}
     rows_fits = {cls: tuple((int(r), float(f), float(v)) for r, f, v in numbers[f"{name}_gemm_rows_fit"])
-                 for name, cls in classes.items() if numbers.get(f"{name}_gemm_rows_fit")}
+                 for name, cls in curved.items() if numbers.get(f"{name}_gemm_rows_fit")}
     attention = tuple((int(r), float(v)) for r, v in numbers.get("attention_rows_flops") or ())
     attention_fit = tuple((int(r), float(f), float(v))
                           for r, f, v in numbers.get("attention_rows_fit") or ())
     by_bytes = tuple((int(b), float(v)) for b, v in numbers.get("bandwidth_by_bytes") or ())
     half_by_bytes = tuple((int(b), float(v))
-                          for b, v in numbers.get("half_bandwidth_by_bytes") or ())
+                          for b, v in (numbers.get("half_bandwidth_by_bytes") if halves else None) or ())
     fits_text = "; ".join(
         f"{c.value} at {r} rows {f / 1e3:.0f} us + {v / 1e9:.0f} GFLOP/s"
         for c, fit in sorted(rows_fits.items(), key=lambda kv: kv[0].value)
@@ -650,18 +700,13 @@ _REQUIRED = (
     "bf16_gemv_flops",
     "fp16_gemv_flops",
     "fp32_gemm_rows_flops",
-    "bf16_gemm_rows_flops",
-    "fp16_gemm_rows_flops",
     "fp32_gemm_rows_fit",
-    "bf16_gemm_rows_fit",
-    "fp16_gemm_rows_fit",
     "attention_rows_flops",
     "attention_rows_fit",
     "copy_bytes_per_s",
     "vector_flops",
     "bandwidth_bytes_per_s",
     "bandwidth_by_bytes",
-    "half_bandwidth_by_bytes",
     "launch_overhead_ns",
     "hot_call_ns",
     "stream_note",
@@ -709,25 +754,67 @@ def _write_cache(path: Path, text: str) -> None:
         warnings.warn(f"{path}: cpu-local probe not cached ({error}); using it for this run only")
 
 
-def cpu_local_spec(*, reprobe: bool = False, threads: int | None = None) -> DeviceSpec:
+def cpu_local_spec(*, reprobe: bool = False, threads: int | None = None,
+                   halves: tuple[str, ...] = HALVES) -> DeviceSpec:
     """The ``cpu-local`` spec: from the cache, or probed now (and cached) when needed.
 
     ``threads`` pins torch's thread count for the probe (and keys its own cache entry): a
     measurement campaign run with N threads must be predicted with a probe taken with N.
+    ``halves``: the 16-bit dtypes (of :data:`HALVES`) whose prompt-chunk curves the spec
+    carries: a section the cache lacks is measured now and added to it. The spec holds exactly
+    those sections whatever else the cache holds, so what a run prices does not depend on which
+    runs came before it (a run of f32 or stored weights asks for none: its products are f32).
     """
+    unknown = [name for name in halves if name not in HALVES]
+    if unknown:
+        raise ValueError(f"no 16-bit probe section {unknown[0]!r} (one of {', '.join(HALVES)})")
     fingerprint = device_fingerprint("cpu") + "|" + library_versions()
     path = cache_path(threads)
     numbers = None if reprobe else _read_cache(path, fingerprint)
     if numbers is None:
-        numbers = measure_cpu_local() if threads is None else measure_cpu_local(threads)
-        document = {
-            "format": CACHE_FORMAT,
-            "version": CACHE_VERSION,
-            "fingerprint": fingerprint,
-            "numbers": numbers,
-        }
-        _write_cache(path, json.dumps(document, indent=2, sort_keys=True))
-    return _spec_from(numbers, fingerprint)
+        numbers = measure_cpu_local(threads, halves)
+        _write_numbers(path, fingerprint, numbers)
+    else:
+        missing = tuple(name for name in halves
+                        if any(key not in numbers for key in _half_keys(name)))
+        if missing:
+            numbers = {**numbers, **_measure_missing(numbers, missing)}
+            _write_numbers(path, fingerprint, numbers)
+    return _spec_from(numbers, fingerprint, halves)
+
+
+def _write_numbers(path: Path, fingerprint: str, numbers: dict) -> None:
+    document = {
+        "format": CACHE_FORMAT,
+        "version": CACHE_VERSION,
+        "fingerprint": fingerprint,
+        "numbers": numbers,
+    }
+    _write_cache(path, json.dumps(document, indent=2, sort_keys=True))
+
+
+def _measure_missing(numbers: dict, halves: tuple[str, ...]) -> dict[str, object]:
+    """The 16-bit sections ``halves`` measured now, with the thread count the cached numbers
+    were probed with (the pool is put back as it was)."""
+    import torch
+
+    from fuel.kernels.threads import set_threads
+    from fuel.progress import current
+
+    before = torch.get_num_threads()
+    wanted = int(numbers.get("torch_threads") or before)
+    if wanted != before:
+        set_threads(wanted)
+    try:
+        with current().task("probing this machine (cpu-local, once)", total=len(halves)) as task:
+            return _measure_halves(
+                torch, halves, _llc_bytes() or 0,
+                lambda what: task.update(
+                    description=f"probing this machine (cpu-local, once): {what}"),
+                task.advance)
+    finally:
+        if wanted != before:
+            set_threads(before)
 
 
 def probe_cpu_local(*, reprobe: bool = True, threads: int | None = None) -> DeviceSpec:

@@ -51,10 +51,12 @@ class Model:
 
 
 def jit_options(table: Any, *, store_path: Path | None = None, synthesizer: Any = None,
-                profile: Any = None):
+                profile: Any = None, dtype: str = "f32"):
     """Program options for a JIT run on the CPU: the optimize options (the ``cpu-local`` spec
-    to price on, the table adopted kernels bind into) and a fresh session."""
+    to price on, with the probe sections of ``dtype``'s weights; the table adopted kernels bind
+    into) and a fresh session."""
     from fuel.cost import device as device_spec
+    from fuel.cost.probe import halves_for
     from fuel.jit.session import JitSession
     from fuel.optimize import OptimizeOptions
     from fuel.runtime.program import ProgramOptions
@@ -63,7 +65,8 @@ def jit_options(table: Any, *, store_path: Path | None = None, synthesizer: Any 
     from fuel.runtime.native_steps import steppable
 
     session = JitSession(table, synthesizer=synthesizer, store_path=store_path, profile=profile)
-    return ProgramOptions(OptimizeOptions(table=table, device_spec=device_spec("cpu-local"),
+    spec = device_spec("cpu-local", halves=halves_for(dtype))
+    return ProgramOptions(OptimizeOptions(table=table, device_spec=spec,
                                           steppable=steppable(table, BackendId.CPU)),
                           session)
 
@@ -96,7 +99,7 @@ def load_model(source: str | Path | None = None, *, dtype: str = "f32", max_cont
         from fuel.jit.session import numba_available
 
         if numba_available():
-            options = jit_options(table, store_path=jit_store, profile=jit_profile)
+            options = jit_options(table, store_path=jit_store, profile=jit_profile, dtype=dtype)
             session = options.jit
         else:
             note = "declined: numba is not installed (pip install 'fuel[jit]'); running decomposed"

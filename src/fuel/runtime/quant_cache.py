@@ -271,7 +271,7 @@ def decode_traffic(weights: Any, spec: Any = None) -> dict[str, Any]:
     embed = tensors.get("model.embed_tokens.weight")
     if embed is not None and not getattr(weights, "tied_embeddings", False):
         read -= embed.numel() * embed.element_size() - embed[0].numel() * embed.element_size()
-    spec = spec if spec is not None else device("cpu-local")
+    spec = spec if spec is not None else device("cpu-local", halves=())  # the bandwidth only
     rate = spec.bandwidth_bytes_per_s
     return {
         "formats": by_format,
