@@ -95,7 +95,7 @@ from fuel.cost.profile import profile_kernel
 from fuel.cost.spec import DeviceKind, DeviceSpec, PeakClass
 
 CACHE_FORMAT = "fuel-cpu-local-probe"
-CACHE_VERSION = 11  # 11: prompt-chunk attention through prefill_attention (native flash attention), f16 chunks on the native GEMM; 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; a chunk GEMM's and attention's fixed cost per call; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
+CACHE_VERSION = 12  # 12: dense weight rows streamed one at a time (matrix-vector rates ~15% higher), the 16-bit chunk curves probed per dtype on demand; 11: prompt-chunk attention through prefill_attention (native flash attention), f16 chunks on the native GEMM; 10: 16-bit matrices' products timed on f32 activations, chunks as the runtime runs them; a chunk GEMM's and attention's fixed cost per call; 9: the per-call overhead clocked around the calls; 8: 16-bit weights' bandwidth by size; 7: bandwidth by matrix size; 6: f32 prompt chunks on oneDNN; 5: matrix rates by rows; 4: bandwidth beyond the LLC, per-call overhead in a step
 _BANDWIDTH_BYTES = 64 * 1024 * 1024
 _GEMV_SHAPE = (4096, 4096)  # (N, K) of one matrix-vector weight slice: 64 MiB in f32
 _STREAM_MIN_BYTES = 256 * 1024 * 1024  # the streamed weight set: at least this, 2x the LLC
