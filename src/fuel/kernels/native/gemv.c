@@ -650,6 +650,51 @@ INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t row
 #define DENSE_AHEAD 16384
 #endif
 
+/* The widest vector this build has, for the dense kernels (dense_row, and the prompt-chunk GEMM
+   further down): 16 lanes of AVX-512 or 8 of AVX2 (with F16C). A build with neither has no
+   GEMM_VECTOR: its dense rows run the portable loop, and it has no prompt-chunk GEMM. */
+#ifdef __AVX512F__
+typedef __m512 gemm_vec;  /* one vector of K-lanes: 16 (AVX-512) or 8 (AVX2) */
+#define GEMM_LANES 16
+#define gemm_zero _mm512_setzero_ps
+#define gemm_load _mm512_loadu_ps
+#define gemm_fmadd _mm512_fmadd_ps
+#define gemm_add _mm512_add_ps
+/* Sixteen weights k..k+15 of an f32, f16 or bf16 row as f32. */
+INLINE __m512 gemm_weights(int fmt, const uint8_t *row, int64_t k) {
+    return fmt == F32 ? _mm512_loadu_ps((const float *)row + k) : load16(fmt, row, k);
+}
+INLINE __m256 fold256(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+/* The four sums of a, b, c and d's lanes, in that order (one transposing tree: a third of the
+   instructions of four separate reductions). */
+INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(fold256(a), fold256(b)),
+                                       _mm256_hadd_ps(fold256(c), fold256(d)));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+/* s[j] = the lane sum of acc[j], j < rn. */
+INLINE void gemm_sums(const __m512 *acc, const int rn, float *s) {
+    int j = 0;
+    for (; j + 4 <= rn; j += 4) _mm_storeu_ps(s + j, reduce4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]));
+    for (; j < rn; j++) s[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#define GEMM_VECTOR 1
+#elif defined(__AVX2__) && defined(__F16C__)
+typedef __m256 gemm_vec;
+#define GEMM_LANES 8
+#define gemm_zero _mm256_setzero_ps
+#define gemm_load _mm256_loadu_ps
+#define gemm_fmadd _mm256_fmadd_ps
+#define gemm_add _mm256_add_ps
+INLINE __m256 gemm_weights(int fmt, const uint8_t *row, int64_t k) { return load8(fmt, row, k); }
+INLINE void gemm_sums(const __m256 *acc, const int rn, float *s) {
+    for (int j = 0; j < rn; j++) s[j] = hsum(acc[j]);
+}
+#define GEMM_VECTOR 1
+#endif
+
 /* One dense weight row (f32, f16 or bf16) against each of M activation rows: out[m * N] =
    row . x[m]. The row is read front to back once (from memory for the first activation row,
    from L1 for the others), so a thread's share of a product is one sequential stream, which
@@ -664,45 +709,22 @@ INLINE void dense_row(const int fmt, const uint8_t *row, const float *x, int64_t
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
         int64_t k = 0;
-        float s;
-#if defined(__AVX512F__)
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (; k + 64 <= K; k += 64) {
+        float s = 0.0f;
+#ifdef GEMM_VECTOR
+        enum { L = GEMM_LANES };
+        gemm_vec a0 = gemm_zero(), a1 = a0, a2 = a0, a3 = a0;
+        for (; k + 4 * L <= K; k += 4 * L) {
             if (m == 0)
-                for (int64_t line = 0; line < 64 * width; line += 64)
+                for (int64_t line = 0; line < 4 * L * width; line += 64)
                     _mm_prefetch((const char *)row + DENSE_AHEAD + width * k + line, _MM_HINT_T0);
-            if (fmt == F32) {
-                const float *p = (const float *)row + k;
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p), _mm512_loadu_ps(xr + k), a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(xr + k + 16), a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(p + 32), _mm512_loadu_ps(xr + k + 32), a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(p + 48), _mm512_loadu_ps(xr + k + 48), a3);
-            } else {
-                a0 = _mm512_fmadd_ps(load16(fmt, row, k), _mm512_loadu_ps(xr + k), a0);
-                a1 = _mm512_fmadd_ps(load16(fmt, row, k + 16), _mm512_loadu_ps(xr + k + 16), a1);
-                a2 = _mm512_fmadd_ps(load16(fmt, row, k + 32), _mm512_loadu_ps(xr + k + 32), a2);
-                a3 = _mm512_fmadd_ps(load16(fmt, row, k + 48), _mm512_loadu_ps(xr + k + 48), a3);
-            }
+            a0 = gemm_fmadd(gemm_weights(fmt, row, k), gemm_load(xr + k), a0);
+            a1 = gemm_fmadd(gemm_weights(fmt, row, k + L), gemm_load(xr + k + L), a1);
+            a2 = gemm_fmadd(gemm_weights(fmt, row, k + 2 * L), gemm_load(xr + k + 2 * L), a2);
+            a3 = gemm_fmadd(gemm_weights(fmt, row, k + 3 * L), gemm_load(xr + k + 3 * L), a3);
         }
-        for (; k + 16 <= K; k += 16)
-            a0 = _mm512_fmadd_ps(fmt == F32 ? _mm512_loadu_ps((const float *)row + k) : load16(fmt, row, k),
-                                 _mm512_loadu_ps(xr + k), a0);
-        s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#elif defined(__AVX2__)
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (; k + 32 <= K; k += 32) {
-            if (m == 0)
-                for (int64_t line = 0; line < 32 * width; line += 64)
-                    _mm_prefetch((const char *)row + DENSE_AHEAD + width * k + line, _MM_HINT_T0);
-            a0 = _mm256_fmadd_ps(load8(fmt, row, k), _mm256_loadu_ps(xr + k), a0);
-            a1 = _mm256_fmadd_ps(load8(fmt, row, k + 8), _mm256_loadu_ps(xr + k + 8), a1);
-            a2 = _mm256_fmadd_ps(load8(fmt, row, k + 16), _mm256_loadu_ps(xr + k + 16), a2);
-            a3 = _mm256_fmadd_ps(load8(fmt, row, k + 24), _mm256_loadu_ps(xr + k + 24), a3);
-        }
-        for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(fmt, row, k), _mm256_loadu_ps(xr + k), a0);
-        s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#else
-        s = 0.0f;
+        for (; k + L <= K; k += L) a0 = gemm_fmadd(gemm_weights(fmt, row, k), gemm_load(xr + k), a0);
+        a0 = gemm_add(gemm_add(a0, a1), gemm_add(a2, a3));
+        gemm_sums(&a0, 1, &s);
 #endif
         for (; k < K; k++) s += dense_weight(fmt, row, k) * xr[k];
         out[m * N] = s;
@@ -810,44 +832,6 @@ void fuel_prefetch(const void *p, int64_t bytes) { prefetch_span(p, bytes); }
    so a thread's weights stay in its own cache). */
 #define GEMM_M 4  /* the largest tile's rows and weight rows (the accumulator arrays' bounds) */
 #define GEMM_N 6
-#ifdef __AVX512F__
-typedef __m512 gemm_vec;  /* one vector of K-lanes: 16 (AVX-512) or 8 (AVX2) */
-#define GEMM_LANES 16
-#define gemm_zero _mm512_setzero_ps
-#define gemm_load _mm512_loadu_ps
-#define gemm_fmadd _mm512_fmadd_ps
-INLINE __m512 gemm_weights(int fmt, const uint8_t *row, int64_t k) {
-    return fmt == F32 ? _mm512_loadu_ps((const float *)row + k) : load16(fmt, row, k);
-}
-INLINE __m256 fold256(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-/* The four sums of a, b, c and d's lanes, in that order (one transposing tree: a third of the
-   instructions of four separate reductions). */
-INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(fold256(a), fold256(b)),
-                                       _mm256_hadd_ps(fold256(c), fold256(d)));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-/* s[j] = the lane sum of acc[j], j < rn. */
-INLINE void gemm_sums(const __m512 *acc, const int rn, float *s) {
-    int j = 0;
-    for (; j + 4 <= rn; j += 4) _mm_storeu_ps(s + j, reduce4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]));
-    for (; j < rn; j++) s[j] = _mm512_reduce_add_ps(acc[j]);
-}
-#define GEMM_VECTOR 1
-#elif defined(__AVX2__) && defined(__F16C__)
-typedef __m256 gemm_vec;
-#define GEMM_LANES 8
-#define gemm_zero _mm256_setzero_ps
-#define gemm_load _mm256_loadu_ps
-#define gemm_fmadd _mm256_fmadd_ps
-INLINE __m256 gemm_weights(int fmt, const uint8_t *row, int64_t k) { return load8(fmt, row, k); }
-INLINE void gemm_sums(const __m256 *acc, const int rn, float *s) {
-    for (int j = 0; j < rn; j++) s[j] = hsum(acc[j]);
-}
-#define GEMM_VECTOR 1
-#endif
 
 #ifdef GEMM_VECTOR
 /* One rm x rn tile (rm <= GEMM_M, rn <= GEMM_N, constants at each call site). */
