@@ -145,3 +145,29 @@ def test_cells_are_sampled_in_rounds_each_within_its_own_budget():
     assert [m.median_ns for m in measured] == [1000, 100_000_000]
     rounds = order[4:]  # after one warm-up and one calibration call each
     assert rounds == ["f", "s", "s", "f", "f", "s", "f", "f"]
+
+
+def test_a_cell_its_race_retires_after_calibration_is_recorded_from_that_call_alone():
+    # Why: a recipe arm 40x its kernel (a dequantize-then-matmul LM head: 44 ms against 1 ms)
+    # was sampled like any cell and took most of a cold first token's measuring; its first
+    # timed call already says it lost.
+    from fuel.cost import profile_cells
+
+    order, state, told = [], {"now": 0}, []
+
+    def cell(name, ns):
+        def call():
+            order.append(name)
+            state["now"] += ns
+        return call
+
+    def retire(alone):
+        told.append(list(alone))
+        return [i for i, ns in enumerate(alone) if ns > 4 * min(alone)]
+
+    measured = profile_cells([cell("k", 1_000_000), cell("r", 44_000_000)], warmup=1, repeats=5,
+                             min_sample_ns=1, retire=retire, clock=lambda: state["now"])
+    assert told == [[1_000_000, 44_000_000]]  # each call's calibration batch, per call
+    assert (measured[1].samples, measured[1].median_ns, measured[1].spread_ns) == (1, 44_000_000, 0)
+    assert (measured[0].samples, measured[0].median_ns) == (5, 1_000_000)
+    assert order.count("r") == 2 and order.count("k") == 7  # warm-up + calibration; + 5 samples

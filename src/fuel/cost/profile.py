@@ -30,7 +30,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 MIN_SAMPLES = 3
@@ -135,6 +135,7 @@ def profile_cells(
     common_repeats: bool = False,
     clock: Callable[[], int] = time.perf_counter_ns,
     on_call: Callable[[int], object] | None = None,
+    retire: Callable[[list[float]], Iterable[int]] | None = None,
 ) -> list[Measurement]:
     """Measure several calls whose latencies will be compared, their samples taken in rounds
     (every call once a round, the order reversed each round) instead of one burst each: on a
@@ -143,7 +144,13 @@ def profile_cells(
     call's, not the moment's. Each call is warmed up and calibrated as :func:`profile_kernel`
     does (``on_call(index)`` is told first, for a progress bar); under ``budget_ns`` each call
     keeps as many samples as its own budget allows (never below :data:`MIN_SAMPLES`), or, with
-    ``common_repeats``, all take as many as the slowest's budget allows (every sample paired)."""
+    ``common_repeats``, all take as many as the slowest's budget allows (every sample paired).
+
+    ``retire``: a race, as :func:`profile_kernel`'s ceiling is one. Told every call's ns from
+    its calibration batch (taken after its warm-up), it names the calls that have lost by more
+    than sampling could change; each of those is recorded from that batch alone (one sample)
+    and sampled no further (a 44 ms dequantize-then-matmul LM head beside a 1 ms kernel took
+    0.4 s of a cold first token's 0.6 s of sampling)."""
     if repeats < 1 or warmup < 0:
         raise ValueError("profiling needs repeats >= 1 and warmup >= 0")
     batches = []
@@ -161,6 +168,9 @@ def profile_cells(
     counts = [fitted(elapsed) for _, elapsed in batches]
     if common_repeats and counts:
         counts = [min(counts)] * len(counts)
+    retired = set() if retire is None else set(retire([elapsed / batch for batch, elapsed in batches]))
+    for index in retired:
+        counts[index] = 0
     per_call: list[list[float]] = [[] for _ in calls]
     order = list(range(len(calls)))
     for round_ in range(max(counts, default=0)):
@@ -172,7 +182,9 @@ def profile_cells(
             for _ in range(batch):
                 call()
             per_call[index].append((clock() - start) / batch)
-    return [_summary(samples, batch) for samples, (batch, _) in zip(per_call, batches)]
+    return [Measurement(median_ns=max(1, round(elapsed / batch)), spread_ns=0, samples=1,
+                        calls_per_sample=batch) if index in retired else _summary(samples, batch)
+            for index, (samples, (batch, elapsed)) in enumerate(zip(per_call, batches))]
 
 
 def profile_pair(first: Callable[[], object], second: Callable[[], object],

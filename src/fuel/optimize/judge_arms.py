@@ -79,7 +79,11 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     whose second call alone takes more than :data:`RACE_MARGIN` times the cheapest other arm
     of a branch it sits in is recorded from that one call (``profile_kernel(ceiling_ns=...)``)
     instead of sampled (a 64-row int4pack product here is 50-80x the recipe: sampling it cost
-    ~1.4 s of a cold first token). An injected ``profile`` is always consulted in full.
+    ~1.4 s of a cold first token). The other cells race the same way inside the rounds: a
+    cell whose calibration call already takes more than that margin over the cheapest other arm
+    of its branch (those arms' cells timed by their own calibration calls) is recorded from
+    that call and sampled no further (``profile_cells(retire=...)``). An injected ``profile`` is
+    always consulted in full.
     """
     fingerprint, libraries = device_fingerprint(backend.value), library_versions()
     wanted: dict[tuple[str, ...], NodeId] = {}
@@ -117,10 +121,18 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
                                  [values[i] for i in node.inputs])
     measured: dict[tuple[str, ...], Measurement] = {}
     plain = [key for key in order if key not in variant]
+    race = _race_ceilings(arms, keys)
     if racing:
-        # The cells in rounds, so interference from other work spreads over all of them.
+        # The cells in rounds, so interference from other work spreads over all of them; a
+        # cell whose calibration call already loses by RACE_MARGIN is not sampled further.
+        def retire(alone: list[float]) -> list[int]:
+            estimates = dict(zip(plain, alone))
+            return [index for index, key in enumerate(plain)
+                    if (ceiling := race(key, estimates)) is not None
+                    and alone[index] > ceiling]
+
         cells = profile_cells(
-            [calls[key] for key in plain], **profile_options,
+            [calls[key] for key in plain], **profile_options, retire=retire,
             on_call=None if on_cell is None else lambda i: on_cell(i, len(wanted), plain[i]))
         measured.update(zip(plain, cells))
     else:
@@ -132,7 +144,7 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     for index, key in enumerate(order[len(plain):], start=len(plain)):
         if on_cell is not None:
             on_cell(index, len(wanted), key)
-        ceiling = _race_ceiling(arms, keys, key, medians) if racing else None
+        ceiling = race(key, medians) if racing else None
         if ceiling is None:
             measured[key] = profile(key, calls[key])
         else:
@@ -160,24 +172,34 @@ def _bound_call(kernel, args) -> Callable[[], object]:
     return lambda: kernel(*args)
 
 
-def _race_ceiling(arms, keys, key, medians) -> int | None:
-    """:data:`RACE_MARGIN` times the cheapest arm (every interior cell measured in this pass)
-    among the branches where ``key`` is a cell of another arm; None when no such arm is fully
-    measured here. ``arms``: each branch's arm interiors; ``keys``: each arm node's cell."""
-    best = None
-    for interiors in arms.values():
-        holding = {arm for arm, interior in enumerate(interiors)
-                   if any(keys[n] == key for n in interior)}
-        if not holding:
-            continue
+def _race_ceilings(arms, keys) -> Callable[[tuple[str, ...], Mapping], float | None]:
+    """``ceiling(key, medians)``: :data:`RACE_MARGIN` times the cheapest arm (every interior
+    cell in ``medians``) among the branches where ``key`` is a cell of another arm; None when
+    no such arm is fully in ``medians``. ``arms``: each branch's arm interiors; ``keys``: each
+    arm node's cell. Which arms hold which cells is indexed once (a race asks for every cell)."""
+    cells_of: dict[tuple, list] = {}  # (branch, arm) -> its cells
+    holders: dict[tuple[str, ...], set] = {}  # cell -> the (branch, arm)s holding it
+    for branch, interiors in arms.items():
         for arm, interior in enumerate(interiors):
-            if arm in holding:
-                continue
             cells = [keys[n] for n in interior if keys[n] is not None]
-            if cells and all(cell in medians for cell in cells):
-                total = sum(medians[cell] for cell in cells)
-                best = total if best is None else min(best, total)
-    return None if best is None else RACE_MARGIN * best
+            cells_of[branch, arm] = cells
+            for cell in cells:
+                holders.setdefault(cell, set()).add((branch, arm))
+
+    def ceiling(key: tuple[str, ...], medians: Mapping) -> float | None:
+        best = None
+        holding = holders.get(key, set())
+        for branch in {b for b, _ in holding}:
+            for arm in range(len(arms[branch])):
+                if (branch, arm) in holding:
+                    continue
+                cells = cells_of[branch, arm]
+                if cells and all(cell in medians for cell in cells):
+                    total = sum(medians[cell] for cell in cells)
+                    best = total if best is None else min(best, total)
+        return None if best is None else RACE_MARGIN * best
+
+    return ceiling
 
 
 def _key(graph: Graph, node_id: NodeId, symbols, runtime, table: KernelBindingTable,
