@@ -171,3 +171,21 @@ def test_a_cell_its_race_retires_after_calibration_is_recorded_from_that_call_al
     assert (measured[1].samples, measured[1].median_ns, measured[1].spread_ns) == (1, 44_000_000, 0)
     assert (measured[0].samples, measured[0].median_ns) == (5, 1_000_000)
     assert order.count("r") == 2 and order.count("k") == 7  # warm-up + calibration; + 5 samples
+
+
+def test_a_pair_races_only_past_the_margin_either_way():
+    from fuel.cost.profile import RACE_MARGIN, profile_pair, race_pair
+
+    assert race_pair([1000.0, RACE_MARGIN * 1000.0 + 1]) == [1]
+    assert race_pair([RACE_MARGIN * 1000.0 + 1, 1000.0]) == [0]
+    assert race_pair([1000.0, RACE_MARGIN * 1000.0]) == []  # within the margin: both sampled
+    state = {"now": 0}
+
+    def side(ns):
+        def call():
+            state["now"] += ns
+        return call
+
+    kernel, recipe = profile_pair(side(1_000_000), side(40_000_000), warmup=1, repeats=5,
+                                  min_sample_ns=1, retire=race_pair, clock=lambda: state["now"])
+    assert (kernel.samples, recipe.samples, recipe.median_ns) == (5, 1, 40_000_000)

@@ -36,6 +36,19 @@ from typing import Any, Callable, Iterable
 MIN_SAMPLES = 3
 """The fewest samples a budgeted measurement takes (a median and a spread need three)."""
 
+RACE_MARGIN = 4
+"""How many times a rival's time a call may take before it is recorded from one call alone
+(well past any sampling noise: a kernel that slow cannot win): the races of
+``fuel.optimize.judge_arms`` and of the JIT's adoption gate (:func:`race_pair`)."""
+
+
+def race_pair(alone: list[float]) -> list[int]:
+    """``profile_cells``' ``retire`` for two calls compared with each other
+    (:func:`profile_pair`): the one that already takes more than :data:`RACE_MARGIN` times the
+    other."""
+    first, second = alone
+    return [0] if first > RACE_MARGIN * second else [1] if second > RACE_MARGIN * first else []
+
 
 @dataclass(frozen=True, slots=True)
 class Measurement:

@@ -21,7 +21,7 @@ from typing import Any
 
 from fuel.cost.fingerprint import device_fingerprint, library_versions
 from fuel.cost.judge import JudgeOracle
-from fuel.cost.profile import Measurement, profile_cells, profile_kernel
+from fuel.cost.profile import RACE_MARGIN, Measurement, profile_cells, profile_kernel
 from fuel.cost.store import StoredMeasurement
 from fuel.graph.branch import arm_interiors, lower
 from fuel.graph.dtype import BackendId
@@ -161,9 +161,7 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     return rows
 
 
-RACE_MARGIN = 4
-"""How many times the cheapest other arm a variant arm's single call may take before it is
-recorded from that call alone (well past any sampling noise: a kernel that slow cannot win)."""
+
 
 
 def _bound_call(kernel, args) -> Callable[[], object]:
