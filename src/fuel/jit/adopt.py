@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from fuel.graph.dtype import BackendId, DType
+from fuel.graph.dtype import BackendId
 from fuel.graph.ir import Fused, Graph, Node
 from fuel.graph.recipe import EmitRefused, emit, structural_hash
 from fuel.graph.registry import RegionRefused, RuntimeFusedParams, RuntimeFusedRegistry, fused_name
