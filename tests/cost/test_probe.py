@@ -340,9 +340,11 @@ _CORE = {"fp32_flops": 1e9, "bf16_flops": 2e9, "fp16_flops": 3e9, "vector_flops"
 
 
 def _fake_halves(measured: list):
-    def halves(torch, names, llc, *progress):
+    def halves(torch, names, llc, step=None, advance=None, have=None):
         measured.append(tuple(names))
-        numbers = {"half_bandwidth_by_bytes": [[1 << 20, 7e9]]} if names else {}
+        numbers = {"half_bandwidth_by_bytes": [[1 << 20, 7e9 + len(measured)]]} if names else {}
+        if have is not None and "half_bandwidth_by_bytes" in have:  # as the probe keeps it
+            numbers["half_bandwidth_by_bytes"] = have["half_bandwidth_by_bytes"]
         for rate, name in enumerate(names, start=2):
             numbers[f"{name}_gemm_rows_flops"] = [[16, rate * 1e8], [256, rate * 1e9]]
             numbers[f"{name}_gemm_rows_fit"] = [[128, 1e4, rate * 1e9]]
@@ -371,7 +373,7 @@ def test_a_16bit_section_is_probed_once_the_first_time_its_dtype_is_asked_for(is
     bf16 = probe.cpu_local_spec(halves=("bf16",))
     assert (len(cores), measured[1:]) == (1, [("bf16",)])  # the section alone, not a new probe
     assert bf16.gemm_rows_flops[PeakClass.BF16] == ((16, 2e8), (256, 2e9))
-    assert bf16.half_bandwidth_by_bytes == ((1 << 20, 7e9),)
+    assert bf16.half_bandwidth_by_bytes == ((1 << 20, 7e9 + 2),)
     assert bf16.matrix_peak("bf16", rows=16) == 2e8 and spec.matrix_peak("bf16", rows=16) == 2e9
     cached = json.loads(probe.cache_path().read_text())["numbers"]
     assert cached["bf16_gemm_rows_flops"] == [[16, 2e8], [256, 2e9]] and "fp16_gemm_rows_flops" not in cached
@@ -382,6 +384,8 @@ def test_a_16bit_section_is_probed_once_the_first_time_its_dtype_is_asked_for(is
     both = probe.cpu_local_spec()
     assert measured[2:] == [("fp16",)]
     assert set(both.gemm_rows_flops) == {PeakClass.FP32, PeakClass.BF16, PeakClass.FP16}
+    # the fp16 section leaves what the bf16 one measured as it was
+    assert probe.cpu_local_spec(halves=("bf16",)) == bf16
     with pytest.raises(ValueError, match="no 16-bit probe section 'f16'"):
         probe.cpu_local_spec(halves=("f16",))
 

@@ -87,6 +87,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 from fuel.cost.paths import cache_dir
@@ -610,15 +611,19 @@ def _half_keys(name: str) -> tuple[str, ...]:
     return (f"{name}_gemm_rows_flops", f"{name}_gemm_rows_fit", "half_bandwidth_by_bytes")
 
 
-def _measure_halves(torch, halves: tuple[str, ...], llc: int, step=None, advance=None
-                    ) -> dict[str, object]:
+def _measure_halves(torch, halves: tuple[str, ...], llc: int, step=None, advance=None,
+                    have: Mapping[str, object] | None = None) -> dict[str, object]:
     """The 16-bit sections: per dtype of ``halves``, the prompt-chunk rows curve and fit
     (:func:`_linear_rows_rates`); once for any, the by-size stream rate of 16-bit weights
-    (bf16's kernel, as both 16-bit formats' matrix-vector kernel widens in registers). They
-    take most of a cold probe (~2 s of ~4 here), and a run of f32 or stored weights never reads
-    them, so :func:`cpu_local_spec` measures a section the first time a run asks for its dtype."""
+    (bf16's kernel, as both 16-bit formats' matrix-vector kernel widens in registers), unless
+    ``have`` (the numbers cached already) holds it: a section added later never changes what
+    an earlier one measured. They take most of a cold probe (~2 s of ~4 here), and a run of f32
+    or stored weights never reads them, so :func:`cpu_local_spec` measures a section the first
+    time a run asks for its dtype."""
     m, k, n = _GEMM_SHAPE
     numbers: dict[str, object] = {}
+    if have is not None and "half_bandwidth_by_bytes" in have:
+        numbers["half_bandwidth_by_bytes"] = have["half_bandwidth_by_bytes"]
     names = dict(_DTYPES)
     for name in halves:
         dtype = getattr(torch, names[name])
@@ -811,7 +816,7 @@ def _measure_missing(numbers: dict, halves: tuple[str, ...]) -> dict[str, object
                 torch, halves, _llc_bytes() or 0,
                 lambda what: task.update(
                     description=f"probing this machine (cpu-local, once): {what}"),
-                task.advance)
+                task.advance, numbers)
     finally:
         if wanted != before:
             set_threads(before)
