@@ -13,7 +13,8 @@ of three samples).
 
 Invariants: a :class:`Measurement` has ``median_ns >= 1`` (a kernel that ran took time; 0 is
 never a latency), ``spread_ns >= 0``, and ``samples == repeats`` (or, under a budget, between
-:data:`MIN_SAMPLES` and ``repeats``). This module reads the clock: it
+:data:`MIN_SAMPLES` and ``repeats``; or 1, spread 0, for a call a race retired: it lost to a
+rival by more than :data:`RACE_MARGIN`, which no sampling could change). This module reads the clock: it
 is an edge, never called from the planning core.
 
 Why not ``torch.utils.benchmark.Timer``: its ``blocked_autorange`` grows blocks tenfold until the

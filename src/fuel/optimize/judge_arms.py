@@ -161,9 +161,6 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     return rows
 
 
-
-
-
 def _bound_call(kernel, args) -> Callable[[], object]:
     """``kernel(*args)`` as a call of no arguments (one per cell: a loop's lambda would bind
     the last cell's)."""
