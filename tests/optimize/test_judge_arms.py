@@ -90,3 +90,32 @@ def test_a_cell_that_already_lost_by_the_race_margin_is_retired_from_sampling(mo
         estimates = [1.0] * cells
         estimates[slow] = 1e9
         assert retire(estimates) == [slow]
+
+
+def test_the_memoized_newest_ancestor_equals_a_fresh_walk_through_a_whole_pass(monkeypatch, capsys):
+    # Why: each offered kernel branches after the newest node its inputs depend on; the walk
+    # that finds it is memoized over a pass (it covered the whole model again for each of
+    # ~1,500 offers). The memo must give what a fresh walk of the graph as it is then gives,
+    # through a real pass that lowers, rewires and branches a SmolLM2 prefill step.
+    import fuel.optimize.optimize as optimize
+    from fuel.cli.app import main
+    from fuel.graph.branch import ancestors
+
+    memoized = optimize._newest_ancestors
+    checked = []
+
+    def checking(graph):
+        newest = memoized(graph)
+
+        def both(starts):
+            starts = tuple(starts)
+            got = newest(starts)
+            checked.append(got == max(ancestors(graph, starts)))
+            return got
+
+        return both
+
+    monkeypatch.setattr(optimize, "_newest_ancestors", checking)
+    assert main(["explain", "smollm2-135m", "--jit", "--mode", "prefill", "--rows", "64"]) == 0
+    capsys.readouterr()
+    assert len(checked) > 50 and all(checked)

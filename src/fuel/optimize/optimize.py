@@ -215,8 +215,42 @@ class _Arm:
     pathfinder: str
 
 
+def _newest_ancestors(graph: Graph) -> Callable[[Iterable[NodeId]], NodeId]:
+    """``newest(starts)``: the largest node id among the ancestors-or-self of ``starts``
+    (``max(ancestors(graph, starts))``), memoized over one :func:`_lower_unrunnable` pass.
+
+    A walk from every offered node covered the whole model above it again (1,500 walks of a
+    SmolLM2 prefill build: ~0.4 s). The memo stays true through the pass: it visits the fused
+    nodes in a topological order of the graph it started from, and the only inputs a pass
+    changes are those of the readers of the node being lowered (rewired to its recipe or a
+    merge), which lie downstream of it. A reader is in the memo only if a node downstream of
+    it was offered already, which the order rules out; every node a pass adds (recipes, arms,
+    merges) keeps the inputs it was created with until the pass reaches a node it reads."""
+    memo: dict[NodeId, NodeId] = {}
+
+    def newest(starts: Iterable[NodeId]) -> NodeId:
+        best = -1
+        for start in starts:
+            stack = [(start, False)]
+            while stack:
+                node_id, expanded = stack.pop()
+                if node_id in memo:
+                    continue
+                inputs = graph.node(node_id).inputs
+                if expanded:
+                    memo[node_id] = max([node_id, *(memo[i] for i in inputs)])
+                else:
+                    stack.append((node_id, True))
+                    stack.extend((i, False) for i in inputs if i not in memo)
+            best = max(best, memo[start])
+        return best
+
+    return newest
+
+
 def _branch_kernels(graph: Graph, node_id: NodeId, root: NodeId, roots: tuple[NodeId, ...],
-                    arms: list[_Arm]) -> tuple[Offer, NodeId | None]:
+                    arms: list[_Arm], newest: Callable[[Iterable[NodeId]], NodeId]
+                    ) -> tuple[Offer, NodeId | None]:
     """Rewire the fused node's readers to its recipe through a merge and branch there (arm 0
     the recipe, then one arm per kernel in ``arms``). Returns the offer and the identity merge
     built (None when the single reader serves as the merge). The graph computes what it did
@@ -247,7 +281,7 @@ def _branch_kernels(graph: Graph, node_id: NodeId, root: NodeId, roots: tuple[No
     # Diverge after everything the inputs depend on, not after the newest input: an earlier
     # lowering appended its recipe at the end of the arena, so an older input may read newer
     # nodes, and those must stay shared context rather than part of both arms.
-    builder = open_branch(graph, max(ancestors(graph, node.inputs)))
+    builder = open_branch(graph, newest(node.inputs))
     builder.add_arm(root)
     for exit in exits:
         builder.add_arm(exit)
@@ -276,6 +310,7 @@ def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: Optimize
     priced = options.device_spec is not None
     adopt_arms = options.offer_runtime_fused and priced
     variant_arms = options.offer_table_variants and priced
+    newest = _newest_ancestors(graph)
     for node_id in lower(graph, roots).order:
         node = graph.node(node_id)
         if not isinstance(node.op, Fused):
@@ -311,7 +346,7 @@ def _lower_unrunnable(graph: Graph, roots: tuple[NodeId, ...], options: Optimize
         elif isinstance(adopted, str):
             offers.append(Offer(ADOPTED, node_id, None, adopted))
         if arms:
-            offer, identity = _branch_kernels(graph, node_id, root, roots, arms)
+            offer, identity = _branch_kernels(graph, node_id, root, roots, arms, newest)
             offers.append(offer)
             if identity is not None:
                 merges.add(identity)
