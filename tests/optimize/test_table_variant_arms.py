@@ -206,7 +206,7 @@ def test_a_variant_arm_far_slower_than_the_other_arms_is_timed_from_one_call():
     variant = [r for r in rows if r.kernel_source == KERNEL_SOURCE]
     others = [r for r in rows if r.kernel_source != KERNEL_SOURCE]
     assert len(variant) == 1 and others
-    assert variant[0].samples == 1 and len(calls) == 2
+    assert variant[0].samples == 1 and len(calls) == 3  # untimed, then two past the ceiling
     assert variant[0].median_ns > RACE_MARGIN * sum(r.median_ns for r in others)
     calls.clear()
     injected = measure_branches(graph, offered.branches(), feeds(), table, weights=None,
