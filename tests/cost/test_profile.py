@@ -210,11 +210,12 @@ def test_a_kernel_whose_calibration_a_time_slice_caught_is_sampled_not_retired()
     assert measured[0].median_ns == 1_000_000
 
 
-def test_a_pair_races_only_past_the_margin_either_way():
+def test_a_pair_retires_only_a_reference_past_the_margin():
     from fuel.cost.profile import RACE_MARGIN, profile_pair, race_pair
 
     assert race_pair([1000.0, RACE_MARGIN * 1000.0 + 1]) == [1]
-    assert race_pair([RACE_MARGIN * 1000.0 + 1, 1000.0]) == [0]
+    # the call seen slow is sampled in full (a time slice may have caught it): never retired
+    assert race_pair([RACE_MARGIN * 1000.0 + 1, 1000.0]) == []
     assert race_pair([1000.0, RACE_MARGIN * 1000.0]) == []  # within the margin: both sampled
     state = {"now": 0}
 

@@ -65,8 +65,8 @@ def test_measure_arm_times_each_arm_alone():
 def test_a_cell_that_already_lost_by_the_race_margin_is_retired_from_sampling(monkeypatch):
     # Why: measuring every cell in full made a cold first token sample a 44 ms recipe 9 times
     # beside its 1 ms kernel. measure_branches hands the rounds a race: a cell whose calibrated
-    # call exceeds RACE_MARGIN times the cheapest other arm of its branch is retired; a cell
-    # within the margin (or with no complete rival) is sampled in full.
+    # call exceeds RACE_MARGIN times the cheapest other arm of its branch is retired, if it is a
+    # recipe's; a cell within the margin, with no complete rival, or a kernel's, is sampled.
     import fuel.optimize.judge_arms as judge_arms
     from fuel.cost.profile import Measurement
 
@@ -84,12 +84,16 @@ def test_a_cell_that_already_lost_by_the_race_margin_is_retired_from_sampling(mo
     cells, retire = seen["calls"], seen["retire"]
     assert cells > 2 and retire is not None
     assert retire([1.0] * cells) == []
-    # one cell far slower than everything else: whichever arm it is in, the other arm wins by
-    # more than the margin, so that cell alone is retired
+    # one cell far slower than everything else: the other arm wins by more than the margin.
+    # A recipe's cell (arm 0: every cell but the kernel's) is retired; the kernel's is sampled
+    # in full (noise only adds time: a kernel seen slow may be a fast one a time slice caught)
+    outcomes = []
     for slow in range(cells):
         estimates = [1.0] * cells
         estimates[slow] = 1e9
-        assert retire(estimates) == [slow]
+        outcomes.append(retire(estimates))
+    assert sorted(map(tuple, outcomes)).count(()) == 1
+    assert all(got in ([], [slow]) for slow, got in enumerate(outcomes))
 
 
 def test_the_memoized_newest_ancestor_equals_a_fresh_walk_through_a_whole_pass(monkeypatch, capsys):

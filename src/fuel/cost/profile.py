@@ -44,11 +44,13 @@ RACE_MARGIN = 4
 
 
 def race_pair(alone: list[float]) -> list[int]:
-    """``profile_cells``' ``retire`` for two calls compared with each other
-    (:func:`profile_pair`): the one that already takes more than :data:`RACE_MARGIN` times the
-    other."""
+    """``profile_cells``' ``retire`` for a call and the reference it must beat
+    (:func:`profile_pair`'s first and second): the reference, when it already takes more than
+    :data:`RACE_MARGIN` times the call. Never the call: noise only adds time, so a call seen
+    slow may be a fast one caught by another process's time slice, and it is sampled in full;
+    a reference seen slow is confirmed (:func:`profile_cells`) and can only lose by more."""
     first, second = alone
-    return [0] if first > RACE_MARGIN * second else [1] if second > RACE_MARGIN * first else []
+    return [1] if second > RACE_MARGIN * first else []
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,8 +82,10 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     ~1.4 s of a cold first token). The other cells race the same way inside the rounds: a
     cell whose calibration call already takes more than that margin over the cheapest other arm
     of its branch (those arms' cells timed by their own calibration calls) is recorded from
-    that call and sampled no further (``profile_cells(retire=...)``). An injected ``profile`` is
-    always consulted in full.
+    that call and sampled no further (``profile_cells(retire=...)``) — a cell of recipes (arm 0)
+    only: noise only adds time, so a kernel's cell seen slow is sampled in full (its early loss
+    could hand a branch to a recipe and cost a decode step its native step list). An injected
+    ``profile`` is always consulted in full.
     """
     fingerprint, libraries = device_fingerprint(backend.value), library_versions()
     wanted: dict[tuple[str, ...], NodeId] = {}
@@ -121,14 +123,15 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
                                  [values[i] for i in node.inputs])
     measured: dict[tuple[str, ...], Measurement] = {}
     plain = [key for key in order if key not in variant]
-    race = _race_ceilings(arms, keys)
+    race = _Race(arms, keys)
     if racing:
         # The cells in rounds, so interference from other work spreads over all of them; a
         # cell whose calibration call already loses by RACE_MARGIN is not sampled further.
         def retire(alone: list[float]) -> list[int]:
             estimates = dict(zip(plain, alone))
             return [index for index, key in enumerate(plain)
-                    if (ceiling := race(key, estimates)) is not None
+                    if race.recipe_only(key)
+                    and (ceiling := race.ceiling(key, estimates)) is not None
                     and alone[index] > ceiling]
 
         cells = profile_cells(
@@ -144,7 +147,7 @@ def measure_branches(graph: Graph, branches: Iterable[NodeId], feeds: Mapping[st
     for index, key in enumerate(order[len(plain):], start=len(plain)):
         if on_cell is not None:
             on_cell(index, len(wanted), key)
-        ceiling = race(key, medians) if racing else None
+        ceiling = race.ceiling(key, medians) if racing else None
         if ceiling is None:
             measured[key] = profile(key, calls[key])
         else:
@@ -167,34 +170,42 @@ def _bound_call(kernel, args) -> Callable[[], object]:
     return lambda: kernel(*args)
 
 
-def _race_ceilings(arms, keys) -> Callable[[tuple[str, ...], Mapping], float | None]:
-    """``ceiling(key, medians)``: :data:`RACE_MARGIN` times the cheapest arm (every interior
-    cell in ``medians``) among the branches where ``key`` is a cell of another arm; None when
-    no such arm is fully in ``medians``. ``arms``: each branch's arm interiors; ``keys``: each
-    arm node's cell. Which arms hold which cells is indexed once (a race asks for every cell)."""
-    cells_of: dict[tuple, list] = {}  # (branch, arm) -> its cells
-    holders: dict[tuple[str, ...], set] = {}  # cell -> the (branch, arm)s holding it
-    for branch, interiors in arms.items():
-        for arm, interior in enumerate(interiors):
-            cells = [keys[n] for n in interior if keys[n] is not None]
-            cells_of[branch, arm] = cells
-            for cell in cells:
-                holders.setdefault(cell, set()).add((branch, arm))
+class _Race:
+    """The races of one :func:`measure_branches` pass over ``arms`` (each branch's arm
+    interiors; ``keys``: each arm node's cell), which arms hold which cells indexed once (a race
+    asks for every cell)."""
 
-    def ceiling(key: tuple[str, ...], medians: Mapping) -> float | None:
+    def __init__(self, arms, keys):
+        self._arms = arms
+        self._cells_of: dict[tuple, list] = {}  # (branch, arm) -> its cells
+        self._holders: dict[tuple[str, ...], set] = {}  # cell -> the (branch, arm)s holding it
+        for branch, interiors in arms.items():
+            for arm, interior in enumerate(interiors):
+                cells = [keys[n] for n in interior if keys[n] is not None]
+                self._cells_of[branch, arm] = cells
+                for cell in cells:
+                    self._holders.setdefault(cell, set()).add((branch, arm))
+
+    def recipe_only(self, key: tuple[str, ...]) -> bool:
+        """Whether ``key`` is a cell of recipes (arm 0) alone: retiring it early can only make
+        a recipe lose (by more than the margin), never take a kernel's win away."""
+        return all(arm == 0 for _, arm in self._holders.get(key, ()))
+
+    def ceiling(self, key: tuple[str, ...], medians: Mapping) -> float | None:
+        """:data:`RACE_MARGIN` times the cheapest arm (every interior cell in ``medians``)
+        among the branches where ``key`` is a cell of another arm; None when no such arm is
+        fully in ``medians``."""
         best = None
-        holding = holders.get(key, set())
+        holding = self._holders.get(key, set())
         for branch in {b for b, _ in holding}:
-            for arm in range(len(arms[branch])):
+            for arm in range(len(self._arms[branch])):
                 if (branch, arm) in holding:
                     continue
-                cells = cells_of[branch, arm]
+                cells = self._cells_of[branch, arm]
                 if cells and all(cell in medians for cell in cells):
                     total = sum(medians[cell] for cell in cells)
                     best = total if best is None else min(best, total)
         return None if best is None else RACE_MARGIN * best
-
-    return ceiling
 
 
 def _key(graph: Graph, node_id: NodeId, symbols, runtime, table: KernelBindingTable,
