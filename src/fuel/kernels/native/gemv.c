@@ -589,8 +589,8 @@ INLINE __m256 load8(int fmt, const uint8_t *p, int64_t k) {
 #endif
 #ifdef __AVX512F__
 /* Sixteen weights k..k+15 of a 16-bit dense row as f32 (f16: F16C's 512-bit form; bf16: widen
-   and shift). Only the half formats: their conversion, not the memory, bounds the 256-bit loop
-   (measured: bf16 at 14-16 GB/s against f32's 23-27). */
+   and shift): the conversion, not the memory, bounds a 256-bit loop over half rows (measured:
+   bf16 at 14-16 GB/s against f32's 23-27). */
 INLINE __m512 load16(int fmt, const uint8_t *p, int64_t k) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
     if (fmt == F16) return _mm512_cvtph_ps(h);
@@ -598,47 +598,47 @@ INLINE __m512 load16(int fmt, const uint8_t *p, int64_t k) {
 }
 #endif
 
-/* Per-channel int8 rows (I8C; the float formats stream one row at a time: dense_row, below),
-   f32 accumulation. Four rows at once share x's loads. */
-INLINE void dot_dense4(int fmt, const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x,
-                       int64_t K, float *out) {
+/* Per-channel int8 rows (I8C: K int8 weights, then the row's f32 scale), f32 accumulation; the
+   float formats stream one row at a time (dense_row, below). Four rows at once share x's loads. */
+INLINE void dot_i8c4(const uint8_t *w, int64_t row_bytes, int64_t rows, const float *x, int64_t K,
+                     float *out) {
 #ifdef __AVX2__
     __m256 a[4], b[4];
     for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
     int64_t k = 0;
     if (rows >= 4) {
         const uint8_t *p0 = w, *p1 = w + row_bytes, *p2 = w + 2 * row_bytes, *p3 = w + 3 * row_bytes;
-        const int64_t ahead = PREFETCH_ROWS * row_bytes, width = dense_width(fmt);
+        const int64_t ahead = PREFETCH_ROWS * row_bytes;
         for (; k + 16 <= K; k += 16) {
-            if (((k * width) & 63) == 0) {  /* one line a row: 16 f32, 32 half or 64 int8 weights */
-                _mm_prefetch((const char *)p0 + ahead + width * k, _MM_HINT_T0);
-                _mm_prefetch((const char *)p1 + ahead + width * k, _MM_HINT_T0);
-                _mm_prefetch((const char *)p2 + ahead + width * k, _MM_HINT_T0);
-                _mm_prefetch((const char *)p3 + ahead + width * k, _MM_HINT_T0);
+            if ((k & 63) == 0) {  /* one line a row: 64 int8 weights */
+                _mm_prefetch((const char *)p0 + ahead + k, _MM_HINT_T0);
+                _mm_prefetch((const char *)p1 + ahead + k, _MM_HINT_T0);
+                _mm_prefetch((const char *)p2 + ahead + k, _MM_HINT_T0);
+                _mm_prefetch((const char *)p3 + ahead + k, _MM_HINT_T0);
             }
             __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-            a[0] = _mm256_fmadd_ps(load8(fmt, p0, k), x0, a[0]); b[0] = _mm256_fmadd_ps(load8(fmt, p0, k + 8), x1, b[0]);
-            a[1] = _mm256_fmadd_ps(load8(fmt, p1, k), x0, a[1]); b[1] = _mm256_fmadd_ps(load8(fmt, p1, k + 8), x1, b[1]);
-            a[2] = _mm256_fmadd_ps(load8(fmt, p2, k), x0, a[2]); b[2] = _mm256_fmadd_ps(load8(fmt, p2, k + 8), x1, b[2]);
-            a[3] = _mm256_fmadd_ps(load8(fmt, p3, k), x0, a[3]); b[3] = _mm256_fmadd_ps(load8(fmt, p3, k + 8), x1, b[3]);
+            a[0] = _mm256_fmadd_ps(load8(I8C, p0, k), x0, a[0]); b[0] = _mm256_fmadd_ps(load8(I8C, p0, k + 8), x1, b[0]);
+            a[1] = _mm256_fmadd_ps(load8(I8C, p1, k), x0, a[1]); b[1] = _mm256_fmadd_ps(load8(I8C, p1, k + 8), x1, b[1]);
+            a[2] = _mm256_fmadd_ps(load8(I8C, p2, k), x0, a[2]); b[2] = _mm256_fmadd_ps(load8(I8C, p2, k + 8), x1, b[2]);
+            a[3] = _mm256_fmadd_ps(load8(I8C, p3, k), x0, a[3]); b[3] = _mm256_fmadd_ps(load8(I8C, p3, k + 8), x1, b[3]);
         }
     }
     for (; k + 8 <= K; k += 8) {
         __m256 xv = _mm256_loadu_ps(x + k);
-        for (int r = 0; r < 4 && r < rows; r++) a[r] = _mm256_fmadd_ps(load8(fmt, w + r * row_bytes, k), xv, a[r]);
+        for (int r = 0; r < 4 && r < rows; r++) a[r] = _mm256_fmadd_ps(load8(I8C, w + r * row_bytes, k), xv, a[r]);
     }
     for (int r = 0; r < 4; r++) a[r] = _mm256_add_ps(a[r], b[r]);
     for (int r = 0; r < 4 && r < rows; r++) {
         float s = hsum(a[r]);
         const uint8_t *p = w + r * row_bytes;
-        for (int64_t j = k; j < K; j++) s += dense_weight(fmt, p, j) * x[j];
-        out[r] = fmt == I8C ? s * row_scale(p, K) : s;
+        for (int64_t j = k; j < K; j++) s += dense_weight(I8C, p, j) * x[j];
+        out[r] = s * row_scale(p, K);
     }
 #else
     for (int r = 0; r < rows && r < 4; r++) {
         const uint8_t *p = w + r * row_bytes; float s = 0.0f;
-        for (int64_t j = 0; j < K; j++) s += dense_weight(fmt, p, j) * x[j];
-        out[r] = fmt == I8C ? s * row_scale(p, K) : s;
+        for (int64_t j = 0; j < K; j++) s += dense_weight(I8C, p, j) * x[j];
+        out[r] = s * row_scale(p, K);
     }
 #endif
 }
@@ -698,10 +698,10 @@ INLINE void gemm_sums(const __m256 *acc, const int rn, float *s) {
 /* One dense weight row (f32, f16 or bf16) against each of M activation rows: out[m * N] =
    row . x[m]. The row is read front to back once (from memory for the first activation row,
    from L1 for the others), so a thread's share of a product is one sequential stream, which
-   the hardware prefetchers follow, where dot_dense4's four rows at once were four streams a
+   the hardware prefetchers follow, where four rows at once (as dot_i8c4 reads) were four streams a
    row apart. Four independent accumulators of the widest vector hide the FMA latency.
    Measured on SmolLM2's decode products (121 calls, 538 MB f32 / 269 MB bf16, 2 threads,
-   interleaved rounds, /work/scratch/gv): f32 0.80-0.89x of dot_dense4's time, bf16 0.92x;
+   interleaved rounds, /work/scratch/gv): f32 0.80-0.89x of the four-row kernel's time, bf16 0.92x;
    16 KiB ahead was at least as fast as 4, 8 or 32 KiB, or none. */
 INLINE void dense_row(const int fmt, const uint8_t *row, const float *x, int64_t M, int64_t K,
                       float *out, int64_t N) {
@@ -761,9 +761,9 @@ INLINE void tile_rows(const int fmt, const float *x, const uint8_t *w, float *ou
                 if (m == 0) prefetch_span(w + n * row_bytes + STREAM_AHEAD, row_bytes);
                 out[m * N + n] = dot_quant(fmt, w + n * row_bytes, xr, xs + m * (K / 32), K);
             }
-        } else {
+        } else {  /* I8C */
             for (int64_t n = n0; n < n1; n += 4)
-                dot_dense4(fmt, w + n * row_bytes, row_bytes, n1 - n, xr, K, out + m * N + n);
+                dot_i8c4(w + n * row_bytes, row_bytes, n1 - n, xr, K, out + m * N + n);
         }
     }
 }
@@ -858,9 +858,7 @@ INLINE void gemm_tile(const int fmt, const int rm, const int rn, const float *x,
         }
     }
 }
-#endif
 
-#ifdef GEMM_VECTOR
 #if defined(__AVX512F__)
 #define GEMM_TM 4  /* the full tile: 24 accumulators of 32 registers (measured 1.25x faster */
 #define GEMM_TN 6  /* than 6 x 4 here: fewer passes over the activations outweigh the conversions) */
