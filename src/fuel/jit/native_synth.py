@@ -91,18 +91,12 @@ def q8_error_bound(layout: str, cols: int, x, w):
     not rounded: zero there."""
     import torch
 
-    from fuel.kernels import native
     from fuel.kernels.native import STREAM_ROWS
-    from fuel.kernels.quant_blocks import dequantize as reference
+    from fuel.kernels.torch_kernels import _native_library, dequantize_rows
 
-    # |w| by the native dequantizer (bit-equal to the gguf package's reference, which the tests
-    # hold it to; the recipe the kernel is checked against runs it too): the reference's numpy
-    # took ~0.2 s of every adoption of an LM head (49152 rows), once per new prompt bucket.
-    lib = native.load()
-
-    def dequantize(rows, layout, cols):
-        out = None if isinstance(lib, native.Unavailable) else lib.dequantize(layout, rows, cols)
-        return out if out is not None else reference(rows, layout, cols)
+    # |w| by the recipe's own dequantizer (native, bit-equal to the gguf package's reference):
+    # the reference's numpy took ~0.2 s of every adoption of an LM head (49152 rows).
+    lib = _native_library()
 
     lead = tuple(x.shape[:-1])
     rows = x.reshape(-1, cols).double()
@@ -122,7 +116,7 @@ def q8_error_bound(layout: str, cols: int, x, w):
     # 226 MB a matrix: the whole-matrix form took ~0.9 s of a cold first token).
     for start in range(0, n, _BOUND_ROWS):
         part = slice(start, min(n, start + _BOUND_ROWS))
-        weight = dequantize(w[part], layout, cols).double().abs()                     # [c, K]
+        weight = dequantize_rows(w[part], layout, cols, lib).double().abs()           # [c, K]
         d_w = packed[part, :, 0:2].contiguous().view(torch.float16).double().squeeze(-1)
         if layout in ("q4_1", "q5_1"):
             offset = packed[part, :, 2:4].contiguous().view(torch.float16).double().squeeze(-1).abs()

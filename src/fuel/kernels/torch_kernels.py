@@ -265,21 +265,24 @@ def _prim_signatures(kind: OpKind) -> Iterable[tuple[DType, ...]]:
     return ((d, d) for d in ANY)
 
 
-def _dequantize(node: Node):
+def dequantize_rows(packed, layout: str, cols: int, lib) -> torch.Tensor:
+    """f32 values of packed rows by ``lib``'s dequantizer (the native library, or None): bit-equal
+    to the gguf package's reference (tests), which runs numpy over every block (an embedding row
+    per decode step took ~0.4 ms, a recipe arm's weights seconds); a format it lacks, or no
+    library, goes to the reference."""
     from fuel.kernels.quant_blocks import dequantize
 
+    out = lib.dequantize(layout, packed, cols) if lib is not None else None
+    return out if out is not None else dequantize(packed, layout, cols)
+
+
+def _dequantize(node: Node):
     attrs = _attrs(node)
     layout, cols = attrs["layout"], attrs["cols"]
     lib = _native_library()
-    if lib is None:
-        return lambda packed: dequantize(packed, layout, cols)
 
     def native_dequantize(packed):
-        # The native library's dequantizer: bit-equal to the gguf package's reference (tests),
-        # which runs numpy over every block (an embedding row per decode step took ~0.4 ms,
-        # a recipe arm's weights seconds); a format it lacks goes to the reference.
-        out = lib.dequantize(layout, packed, cols)
-        return out if out is not None else dequantize(packed, layout, cols)
+        return dequantize_rows(packed, layout, cols, lib)
     return native_dequantize
 
 
