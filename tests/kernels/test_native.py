@@ -159,6 +159,14 @@ def test_the_portable_and_avx2_builds_equal_the_reference(tmp_path, isa):
             x = torch.randn(rows, cols, generator=generator)
             check = verify(portable.matmul(layout, x, w, cols), x @ reference.T, TOLERANCE)
             assert check.ok, f"{layout}, {rows} rows: {check.report}"
+    # dense rows of each float format at a width with every tail (100 = 64 + 32 + 4): one row
+    # streamed at a time, the build's widest vector, then the scalar columns
+    for dtype, name in ((torch.float32, "f32"), (torch.float16, "f16"), (torch.bfloat16, "bf16")):
+        w = (torch.randn(45, 100, generator=generator) * 0.1).to(dtype)
+        for rows in (1, 3):
+            x = torch.randn(rows, 100, generator=generator)
+            check = verify(portable.matmul(name, x, w, 100), x @ w.float().T, TOLERANCE)
+            assert check.ok, f"{name}, {rows} rows: {check.report}"
 
 
 @pytest.mark.parametrize("isa", _ISAS)
