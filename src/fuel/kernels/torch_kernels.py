@@ -270,10 +270,12 @@ def dequantize_rows(packed, layout: str, cols: int, lib) -> torch.Tensor:
     to the gguf package's reference (tests), which runs numpy over every block (an embedding row
     per decode step took ~0.4 ms, a recipe arm's weights seconds); a format it lacks, or no
     library, goes to the reference."""
-    from fuel.kernels.quant_blocks import dequantize
-
     out = lib.dequantize(layout, packed, cols) if lib is not None else None
-    return out if out is not None else dequantize(packed, layout, cols)
+    if out is None:
+        from fuel.kernels.quant_blocks import dequantize
+
+        out = dequantize(packed, layout, cols)
+    return out
 
 
 def _dequantize(node: Node):
