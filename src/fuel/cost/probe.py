@@ -517,6 +517,14 @@ def halves_for(dtype: str) -> tuple[str, ...]:
     return {"bf16": ("bf16",), "f16": ("fp16",)}.get(dtype, ())
 
 
+_PROBING = "probing this machine (cpu-local, once)"
+
+
+def _describer(task):
+    """``step(what)``: the probe's progress bar names the measurement under way."""
+    return lambda what: task.update(description=f"{_PROBING}: {what}")
+
+
 def measure_cpu_local(threads: int | None = None, halves: tuple[str, ...] = HALVES
                       ) -> dict[str, float | int | str]:
     """Run the probes (with ``threads`` torch threads, else torch's default); return the raw
@@ -534,10 +542,9 @@ def measure_cpu_local(threads: int | None = None, halves: tuple[str, ...] = HALV
     numbers: dict[str, float | int | str] = {}
     m, k, n = _GEMM_SHAPE
     rows, cols = _GEMV_SHAPE
-    total = len(_DTYPES) + 6 + len(halves)
-    with current().task("probing this machine (cpu-local, once)", total=total) as task:
-        def step(what: str) -> None:
-            task.update(description=f"probing this machine (cpu-local, once): {what}")
+    total = len(_DTYPES) + 5 + len(halves)  # one a dtype, five after them, one a 16-bit section
+    with current().task(_PROBING, total=total) as task:
+        step = _describer(task)
 
         llc = _llc_bytes() or 0  # the streamed sets' size (twice it), whatever the dtype order
         for name, torch_name in _DTYPES:
@@ -811,12 +818,9 @@ def _measure_missing(numbers: dict, halves: tuple[str, ...]) -> dict[str, object
     if wanted != before:
         set_threads(wanted)
     try:
-        with current().task("probing this machine (cpu-local, once)", total=len(halves)) as task:
-            return _measure_halves(
-                torch, halves, _llc_bytes() or 0,
-                lambda what: task.update(
-                    description=f"probing this machine (cpu-local, once): {what}"),
-                task.advance, numbers)
+        with current().task(_PROBING, total=len(halves)) as task:
+            return _measure_halves(torch, halves, _llc_bytes() or 0, _describer(task),
+                                   task.advance, numbers)
     finally:
         if wanted != before:
             set_threads(before)
