@@ -122,8 +122,9 @@ class Program:
 
     @property
     def host_calls(self) -> int:
-        """Calls a plain run makes from Python: one for a step list, else one per step."""
-        return 1 if self._steps is not None else len(self.executed)
+        """Calls a plain run makes from Python: a step list's (one a native segment, one a host
+        step), else one per step."""
+        return self._steps.host_calls if self._steps is not None else len(self.executed)
 
     @property
     def kernel_calls(self) -> int:

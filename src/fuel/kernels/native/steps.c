@@ -25,6 +25,7 @@ enum {
     STEP_MATMUL = 1, STEP_MATMUL_Q8 = 2, STEP_DEQUANTIZE = 3, STEP_ROPE = 4, STEP_ARGMAX = 5,
     STEP_KV_WRITE = 6, STEP_PAGED_ATTN = 7, STEP_RESIDUAL_RMS_NORM = 8, STEP_RMS_NORM = 9,
     STEP_SILU_MUL = 10, STEP_ADD = 11, STEP_GATHER = 12, STEP_FUSED = 13, STEP_CAST = 14,
+    STEP_COPY = 15,
 };
 
 enum { FUSED_MAX = 4 };  /* products a fused step shares one activation read among */
@@ -145,6 +146,19 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
             if (row < 0 || row >= n[2]) return 1;
             memcpy(out + j * n[1], src + row * n[1], (size_t)n[1]);
         }
+        break;
+    }
+    case STEP_COPY: {  /* a strided view made contiguous: runs of n[9] bytes at src + a n[5] +
+                          b n[6] + c n[7] + d n[8] (byte strides), for a < n[1], b < n[2],
+                          c < n[3], d < n[4], written one after another */
+        const char *src = P(0);
+        char *o = P(1);
+        const size_t run = (size_t)n[9];
+        for (int64_t a = 0; a < n[1]; a++)
+            for (int64_t b = 0; b < n[2]; b++)
+                for (int64_t c = 0; c < n[3]; c++)
+                    for (int64_t d = 0; d < n[4]; d++, o += run)
+                        memcpy(o, src + a * n[5] + b * n[6] + c * n[7] + d * n[8], run);
         break;
     }
     default:
