@@ -250,6 +250,23 @@ def _hostable(node, kernel) -> bool:
         kernel, native_synth._PagedRunner | native_synth._QuantRunner)
 
 
+def _drop_unread_copies(records: list, read: list[_Ref]) -> list:
+    """The records without the copies nothing reads: a consumer reading a copy's source rows
+    apart (``_Planner._rows_apart``) leaves it unread. ``read``: what else reads values (the
+    roots, host steps' operands). A copy writes only its own fresh arena range, so only a
+    record after it, a host step or a root can read it."""
+    extents = [_extent(ref) for ref in read]
+    for record in records:
+        if record[0] != _HOST:
+            extents.extend(_touches(record, 0))
+    kept = []
+    for record in records:
+        if record[0] == _COPY and not _overlap(_touches(record, 1), extents):
+            continue
+        kept.append(record)
+    return kept
+
+
 def _segments(records: list) -> list:
     """The records split at host steps: lists of native records, each host marker alone."""
     out: list = []
@@ -459,6 +476,10 @@ class _Planner:
         self.feed_slots: list[int] = []
         self.arena_bytes = 0
         self.hosts: list[_Host] = []
+        self.copies: dict[tuple[int, int], tuple] = {}
+        """A copy's result (slot, offset) -> (its source from the first element, outer sizes,
+        byte strides, bytes a run, elements): what a consumer reading rows apart reads instead
+        (:meth:`_rows_apart`), leaving the copy to :func:`_drop_unread_copies`."""
         self.records: list[tuple[int, tuple[_Ref | None, ...], tuple[int, ...], tuple[float, ...]]] = []
 
     # Layout -------------------------------------------------------------------------------
@@ -493,6 +514,8 @@ class _Planner:
                 if not _hostable(node, kernel):
                     raise
                 self.refs[node_id] = self._host(node, ins, kernel)
+        self.records = _drop_unread_copies(self.records, [self.refs[r] for r in roots]
+                                           + [ref for h in self.hosts for ref in h.ins])
         if not any(r[0] != _HOST for r in self.records):
             raise _Unsupported("no step runs natively")
         arena = torch.empty(max(self.arena_bytes, _ALIGN), dtype=torch.uint8)
@@ -576,6 +599,28 @@ class _Planner:
         self.records.append((_HOST, tuple(ins), (len(self.hosts) - 1,), ()))
         return _Ref(slot, 0, shape, dtype)
 
+    def _copied_rows(self, ref: _Ref) -> tuple[_Ref, int, int, int] | None:
+        """Where ``ref`` is all of a copy's result that gathered rows from one source (a column
+        range of a prompt chunk's product): (the source from the first row, rows, bytes a row,
+        the rows' stride in bytes), which a consumer may read instead (the copy is then
+        dropped, :func:`_drop_unread_copies`), else None."""
+        copy = self.copies.get((ref.slot, ref.offset))
+        if copy is None:
+            return None
+        source, sizes, strides, run, numel = copy
+        if numel != ref.numel or sizes[:3] != (1, 1, 1) or source.dtype != ref.dtype:
+            return None
+        if source.slot in self.feed_slots:  # a fed tensor (a KV cache) may be written between
+            return None
+        return source, sizes[3], run, strides[3]
+
+    def _rows_apart(self, ref: _Ref, rows: int, row_bytes: int) -> tuple[_Ref, int] | None:
+        """:meth:`_copied_rows` where they are ``rows`` rows of ``row_bytes``: (source, stride)."""
+        copied = self._copied_rows(ref)
+        if copied is None or copied[1] != rows or copied[2] != row_bytes:
+            return None
+        return copied[0], copied[3]
+
     def _alloc(self, shape, dtype) -> _Ref:
         offset = self.arena_bytes
         self.arena_bytes += -(-max(math.prod(shape) * dtype.itemsize, 1) // _ALIGN) * _ALIGN
@@ -604,6 +649,7 @@ class _Planner:
                               (whole.numel - origin // dtype.itemsize,), dtype)
                 out = self._alloc(shape, dtype)
                 self._emit(_COPY, (source, out), (len(sizes), *sizes, *strides, run))
+                self.copies[(out.slot, out.offset)] = (source, sizes, strides, run, out.numel)
                 return out
             if op.kind is OpKind.INDEX_SELECT and attrs["dim"] % len(ins[0].shape) == 0:
                 source, index = ins
@@ -640,14 +686,22 @@ class _Planner:
                         and slots.dtype == torch.int64
                         and len(cache.shape) >= 2 and rows.shape[1:] == cache.shape[2:]
                         and len(slots.shape) == 1 and rows.shape[0] == slots.shape[0]):
-                    self._emit(_KV_WRITE, (cache, rows, slots),
-                               (cache.shape[0] * cache.shape[1],
-                                math.prod(rows.shape[1:]) * rows.dtype.itemsize, slots.shape[0]))
+                    row_bytes = math.prod(rows.shape[1:]) * rows.dtype.itemsize
+                    apart = self._rows_apart(rows, rows.shape[0], row_bytes)
+                    source, stride = apart if apart else (rows, 0)
+                    self._emit(_KV_WRITE, (cache, source, slots),
+                               (cache.shape[0] * cache.shape[1], row_bytes, slots.shape[0], stride))
                     return cache
             if (op.kind is OpKind.CAST and ins[0].dtype == f32 and _KV_CODES.get(dtype)
                     and ins[0].shape == shape):  # rows rounded for a half-precision KV cache
                 out = self._alloc(shape, dtype)
-                self._emit(_CAST, (ins[0], out), (out.numel, _KV_CODES[dtype]))
+                copied = self._copied_rows(ins[0])
+                if copied and copied[1]:  # element-wise: the copy's rows, read in place
+                    source, rows, run, stride = copied
+                    self._emit(_CAST, (source, out), (out.numel, _KV_CODES[dtype], rows, run // 4,
+                                                      stride // 4))
+                else:
+                    self._emit(_CAST, (ins[0], out), (out.numel, _KV_CODES[dtype]))
                 return out
         if isinstance(op, Fused) and stock:
             fused = op.id
@@ -663,7 +717,14 @@ class _Planner:
             if fused == FusedOps.SILU_MUL and ins[0].shape == ins[1].shape == shape and (
                     ins[0].dtype == ins[1].dtype == dtype == f32):
                 out = self._alloc(shape, dtype)
-                self._emit(_SILU_MUL, (ins[0], ins[1], out), (out.numel,))
+                gate, up = self._copied_rows(ins[0]), self._copied_rows(ins[1])
+                if gate and up and gate[1:3] == up[1:3] and gate[1]:
+                    # a product's gate and up columns, read in place (element-wise: the rows
+                    # the copies would have gathered, in their order)
+                    self._emit(_SILU_MUL, (gate[0], up[0], out),
+                               (out.numel, gate[1], gate[2] // 4, gate[3] // 4, up[3] // 4))
+                else:
+                    self._emit(_SILU_MUL, (ins[0], ins[1], out), (out.numel,))
                 return out
             if fused == FusedOps.ROPE:
                 x, cos, sin = ins
@@ -671,7 +732,11 @@ class _Planner:
                         and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
                         and x.shape[2] % 2 == 0):
                     out = self._alloc(shape, dtype)
-                    self._emit(_ROPE, (x, cos, sin, out), x.shape)
+                    apart = self._rows_apart(x, x.shape[0], x.shape[1] * x.shape[2] * 4)
+                    if apart:  # the rows are a column range of a product: read in place
+                        self._emit(_ROPE, (apart[0], cos, sin, out), (*x.shape, apart[1] // 4))
+                    else:
+                        self._emit(_ROPE, (x, cos, sin, out), x.shape)
                     return out
             if fused == FusedOps.FUSED_LINEAR and not op.params.has_bias:
                 from fuel.kernels.native import FORMAT_CODES, STREAM_ROWS

@@ -105,14 +105,21 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
     case STEP_DEQUANTIZE:
         status = fuel_dequantize((int)n[0], P(0), P(1), n[1], n[2], n[3], 1);
         break;
-    case STEP_ROPE:
-        fuel_rope(P(0), n[1] * n[2], n[2], P(1), P(2), P(3), n[0], n[1], n[2]);
+    case STEP_ROPE:  /* n[3]: x's row stride in elements where its rows are apart (0: H * D) */
+        fuel_rope(P(0), n[3] ? n[3] : n[1] * n[2], n[2], P(1), P(2), P(3), n[0], n[1], n[2]);
         break;
     case STEP_ARGMAX:
         fuel_argmax(P(0), n[0], n[1], P(1));
         break;
-    case STEP_KV_WRITE:
-        status = fuel_kv_write_rows(P(0), n[0], n[1], P(1), P(2), n[2]);
+    case STEP_KV_WRITE:  /* n[3]: the rows' stride in bytes where they are apart (0: n[1]) */
+        if (!n[3] || n[3] == n[1]) {
+            status = fuel_kv_write_rows(P(0), n[0], n[1], P(1), P(2), n[2]);
+        } else {
+            const char *rows = P(1);
+            const int64_t *slots = P(2);
+            for (int64_t i = 0; i < n[2] && !status; i++)
+                status = fuel_kv_write_rows(P(0), n[0], n[1], rows + i * n[3], slots + i, 1);
+        }
         break;
     case STEP_PAGED_ATTN:
         status = fuel_paged_attn_kv(P(0), P(1), P(2), P(3), P(4), P(5), n[0], n[1], n[2], n[3],
@@ -125,11 +132,27 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
     case STEP_RMS_NORM:
         fuel_rms_norm(P(0), s->slot[1] < 0 ? NULL : P(1), P(2), n[0], n[1], s->f[0]);
         break;
-    case STEP_SILU_MUL:
-        fuel_silu_mul(P(0), P(1), P(2), n[0]);
+    case STEP_SILU_MUL:  /* n[1] > 0: n[1] rows of n[2], gate and up rows n[3] and n[4] elements
+                            apart (two column ranges of one product), out contiguous */
+        if (!n[1]) {
+            fuel_silu_mul(P(0), P(1), P(2), n[0]);
+        } else {
+            const float *gate = P(0), *up = P(1);
+            float *o = P(2);
+            for (int64_t r = 0; r < n[1]; r++)
+                fuel_silu_mul(gate + r * n[3], up + r * n[4], o + r * n[2], n[2]);
+        }
         break;
-    case STEP_CAST:  /* f32 -> bf16 / f16 (n[1]: the format code), n[0] elements */
-        status = fuel_cast_half(P(0), P(1), n[0], (int)n[1]);
+    case STEP_CAST:  /* f32 -> bf16 / f16 (n[1]: the format code), n[0] elements; n[2] > 0:
+                        n[2] rows of n[3], the source's n[4] elements apart */
+        if (!n[2]) {
+            status = fuel_cast_half(P(0), P(1), n[0], (int)n[1]);
+        } else {
+            const float *x = P(0);
+            uint16_t *o = P(1);
+            for (int64_t r = 0; r < n[2] && !status; r++)
+                status = fuel_cast_half(x + r * n[4], o + r * n[3], n[3], (int)n[1]);
+        }
         break;
     case STEP_ADD: {
         const float *a = P(0), *b = P(1);
