@@ -166,3 +166,34 @@ def test_a_restore_marks_its_program_used(first_run, tiny_weights, tmp_path):
     assert cache.restored >= 1
     touched = [p for p in programs.glob("*.program") if p.stat().st_mtime_ns > 10**18]
     assert len(touched) == cache.restored
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_decoding_an_entry_leaves_the_collector_as_it_found_it(tmp_path, collecting):
+    """Unpickling runs with the garbage collector off; whatever it meets, the collector is
+    as it was afterwards (a program that fails to load included)."""
+    import gc
+    import hashlib
+    import pickle
+
+    from fuel.runtime.program_cache import MAGIC, SCHEMA
+
+    def blob(payload: bytes) -> bytes:
+        digest = hashlib.sha256(payload).hexdigest().encode()
+        return MAGIC + b" " + str(SCHEMA).encode() + b" " + digest + b"\n" + payload
+
+    cache = ProgramCache(tmp_path / "programs")
+    path = tmp_path / "x.program"
+    was = gc.isenabled()
+    try:
+        (gc.enable if collecting else gc.disable)()
+        path.write_bytes(b"")
+        assert cache._decode(path, blob(b"not a pickle"), "key") is None
+        assert gc.isenabled() is collecting
+        assert "does not load" in cache.notes[-1]
+        path.write_bytes(b"")
+        assert cache._decode(path, blob(pickle.dumps(["another", "object"])), "key") is None
+        assert gc.isenabled() is collecting
+        assert "holds another program" in cache.notes[-1]
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -295,9 +295,12 @@ class Engine:
                 if disk_key is not None:
                     self.program_cache.save(disk_key, program, self.optimize_options)
             step = program.step
+            inputs = _input_nodes(step)
             for cache in step.caches:
                 for name in (cache.k_input, cache.v_input):
-                    self._cache(name, step.graph.node(_input_node(step, name)).shape.dims)
+                    if name not in inputs:
+                        raise KeyError(name)
+                    self._cache(name, step.graph.node(inputs[name]).shape.dims)
             self._programs[key] = program
             self.stats.restored[plan.mode.value] += outcome == "restored"
             if self.on_build is not None:
@@ -458,14 +461,16 @@ def _graph_dtype(dtype: Any):
     return {"torch.bfloat16": DType.BF16, "torch.float16": DType.F16}.get(str(dtype), DType.F32)
 
 
-def _input_node(step, name: str) -> int:
+def _input_nodes(step) -> dict[str, int]:
+    """The step graph's inputs by name (one pass: a layer's caches are looked up 60 times)."""
     from fuel.graph.ir import Input
 
+    found: dict[str, int] = {}
     for node_id in step.graph:
         op = step.graph.node(node_id).op
-        if isinstance(op, Input) and op.name == name:
-            return node_id
-    raise KeyError(name)
+        if isinstance(op, Input):
+            found.setdefault(op.name, node_id)
+    return found
 
 
 _LAZY_ZERO_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
