@@ -394,6 +394,36 @@ def test_rope_and_kv_writes_read_a_products_column_ranges_in_place(cache_dtype):
     assert fast[written].float().abs().sum() > 0
 
 
+def test_a_prompt_chunk_programs_values_share_the_arena_once_dead():
+    """With host steps (a prompt chunk), values whose lives do not overlap share arena bytes:
+    twelve layers' values take about what two do, and the results are the per-node path's."""
+    from fuel.kernels.native import STREAM_ROWS
+
+    rows, layers = STREAM_ROWS + 60, 12
+    g = Graph()
+    x = g.input("x", [rows, 16], F32)
+    weights = {}
+    h = x
+    for i in range(layers):
+        gain, w = g.weight(f"gain{i}", [16], F32), g.weight(f"w{i}", [32, 16], F32)
+        normed = g.fused(FusedOps.RMS_NORM, FusedOpParams.RmsNorm(1e-5), h, gain)
+        both = g.fused(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(), normed, w)
+        act = g.fused(FusedOps.SILU_MUL, FusedOpParams.SiluMul(),
+                      g.prim(OpKind.SLICE, both, dim=1, start=0, end=16),
+                      g.prim(OpKind.SLICE, both, dim=1, start=16, end=32))
+        h = g.prim(OpKind.ADD, act, h)
+        gen = torch.Generator().manual_seed(i)
+        weights[f"gain{i}"] = torch.rand(16, generator=gen) + 0.5
+        weights[f"w{i}"] = torch.randn(32, 16, generator=gen) * 0.3
+    program = compile_program(g, lower(g, [h]), TABLE, weights=weights)
+    arena = program.native._keep[0]
+    value = rows * 16 * 4  # an [rows, 16] f32 value: a norm's, a silu_mul's, an add's
+    assert arena.numel() <= 4 * value < 3 * layers * value
+    feed = torch.randn(rows, 16, generator=torch.Generator().manual_seed(99))
+    fast, slow = _both(program, {"x": feed})
+    torch.testing.assert_close(fast[h], slow[h], rtol=1e-4, atol=1e-4)
+
+
 def test_the_bake_counts_a_prompt_chunk_product_as_keeping_the_step_list():
     from fuel.kernels.native import STREAM_ROWS
     from fuel.runtime.native_steps import steppable
