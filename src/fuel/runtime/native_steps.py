@@ -356,9 +356,7 @@ class NativeSteps:
         base = held[ref.slot] if ref.slot in held else fed[self._feed_slots.index(ref.slot)]
         if ref.offset == 0 and tuple(base.shape) == ref.shape:
             return base
-        size = ref.numel * ref.dtype.itemsize
-        return base.reshape(-1).view(torch.uint8)[ref.offset:ref.offset + size].view(
-            ref.dtype).view(ref.shape)
+        return _tensor_at(base, ref)
 
     def run(self, fed: list[Any]) -> tuple[Any, ...] | None:
         """The roots' values, or None where the per-node path must run instead (module docs)."""
@@ -583,19 +581,14 @@ class _Planner:
                 base = arena if ref.slot == 0 else self.slots[ref.slot]
                 if base is None:
                     continue  # fed, or another host step's result: found at each run
-                if base is not arena and ref.offset == 0 and tuple(base.shape) == ref.shape:
-                    views[(ref.slot, ref.offset, ref.shape, ref.dtype)] = base
-                    continue
-                size = ref.numel * ref.dtype.itemsize
-                flat = base.reshape(-1).view(torch.uint8)
-                views[(ref.slot, ref.offset, ref.shape, ref.dtype)] = flat[
-                    ref.offset:ref.offset + size].view(ref.dtype).view(ref.shape)
+                same = base is not arena and ref.offset == 0 and tuple(base.shape) == ref.shape
+                views[(ref.slot, ref.offset, ref.shape, ref.dtype)] = (
+                    base if same else _tensor_at(base, ref))
         out = []
         for root in roots:
             ref = self.refs[root]
             if ref.slot == 0:
-                size = ref.numel * ref.dtype.itemsize
-                out.append((arena[ref.offset:ref.offset + size].view(ref.dtype).view(ref.shape), None, None))
+                out.append((_tensor_at(arena, ref), None, None))
             elif (ref.slot in self.feed_slots and ref.offset == 0
                   and ref.shape == tuple(self.feeds[self.feed_slots.index(ref.slot)].dims)):
                 out.append((None, self.feed_slots.index(ref.slot), None))  # a cache written in place
@@ -914,14 +907,29 @@ class _Planner:
             inner = math.prod(source.shape[dim + 1:]) * dtype.itemsize
             return _Ref(source.slot, source.offset + start * inner, shape, dtype)
         if kind in (OpKind.PERMUTE, OpKind.TRANSPOSE):
-            order = list(attrs["dims"]) if kind is OpKind.PERMUTE else list(range(rank))
-            if kind is OpKind.TRANSPOSE:
-                i, j = attrs["dim0"] % rank, attrs["dim1"] % rank
-                order[i], order[j] = order[j], order[i]
-            moved = [d % rank for d in order if source.shape[d % rank] != 1]
+            order = _permutation(op, rank)
+            moved = [d for d in order if source.shape[d] != 1]
             if moved == sorted(moved):
                 return _Ref(source.slot, source.offset, shape, dtype)
         return None
+
+
+def _permutation(op: Prim, rank: int) -> list[int]:
+    """The operand dimension each result dimension of a permute or transpose takes (>= 0)."""
+    attrs = op.attr_dict()
+    if op.kind is OpKind.PERMUTE:
+        return [d % rank for d in attrs["dims"]]
+    order = list(range(rank))
+    i, j = attrs["dim0"] % rank, attrs["dim1"] % rank
+    order[i], order[j] = order[j], order[i]
+    return order
+
+
+def _tensor_at(base: Any, ref: _Ref) -> Any:
+    """``ref``'s value as a tensor viewing ``base`` (the contiguous tensor its slot names)."""
+    size = ref.numel * ref.dtype.itemsize
+    return base.reshape(-1).view(torch.uint8)[ref.offset:ref.offset + size].view(
+        ref.dtype).view(ref.shape)
 
 
 def _strided_copy(op: Prim, ins: list[_Ref], shape, dtype):
@@ -952,12 +960,9 @@ def _strided_copy(op: Prim, ins: list[_Ref], shape, dtype):
             sizes[dim] = attrs["end"] - begin
         start = begin * contiguous[dim]
     else:
-        order = list(attrs["dims"]) if kind is OpKind.PERMUTE else list(range(rank))
-        if kind is OpKind.TRANSPOSE:
-            i, j = attrs["dim0"] % rank, attrs["dim1"] % rank
-            order[i], order[j] = order[j], order[i]
-        sizes = [source.shape[d % rank] for d in order]
-        strides = [contiguous[d % rank] for d in order]
+        order = _permutation(op, rank)
+        sizes = [source.shape[d] for d in order]
+        strides = [contiguous[d] for d in order]
     if tuple(sizes) != tuple(shape):
         return None
     dims = [(n, t) for n, t in zip(sizes, strides) if n != 1]

@@ -1184,6 +1184,18 @@ INLINE void q8_0_pairs(const uint8_t *p, int n, __m512i *u01, __m512i *u23, __m2
     *dw = q8_group_scales(p, 34, n);
 }
 
+/* A nibble format's group (quants lo/hi, [d_w m_w] dw) against one activation row's group
+   (bytes x0/x1, lane start values c0, scales dm and sums sm): the block dots scaled into acc,
+   the q4_1/q5_1 offset term into bias. */
+INLINE void q8_nib_group(int fmt, __m512i lo, __m512i hi, __m256 dw, __m512i x0, __m512i x1,
+                         __m512i c0, __m256 dm, __m256 sm, __m512 *acc, __m256 *bias) {
+    const __m256 s = _mm256_mul_ps(dw, dm);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c0, lo, x0), hi, x1);
+    const __m512i iq = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(iq, _mm512_castps256_ps512(s)), *acc);
+    if (fmt == Q4_1 || fmt == Q5_1) *bias = _mm256_fmadd_ps(s, sm, *bias);
+}
+
 /* One group of n blocks for R rows (see q8_dot_rows). */
 INLINE void q8_group512(int fmt, const int R, const uint8_t *p, int n, const Q8Rows *a, int64_t r0,
                         int64_t g, const int slot, __m512 acc[4][2], __m256 bias[4]) {
@@ -1194,26 +1206,24 @@ INLINE void q8_group512(int fmt, const int R, const uint8_t *p, int n, const Q8R
     if (fmt == Q8_0) q8_0_pairs(p, n, &lo, &hi, &dw);
     else q8_quad_bytes(fmt, p, n, &lo, &hi, &dw);
     for (int r = 0; r < R; r++) {
-        const int64_t row = r0 + r;
-        const __m256 s = _mm256_mul_ps(dw, _mm256_load_ps(a->dm + (row * a->G + g) * 8));
-        const __m512 s512 = _mm512_castps256_ps512(s);
-        const int8_t *xq = a->q + (row * a->G + g) * 128;
-        const int32_t *c = a->c + (row * a->G + g) * 32;
-        if (fmt == Q8_0) {
-            const __m512i d01 = _mm512_dpbusd_epi32(_mm512_load_si512(c), lo, _mm512_load_si512(xq));
-            const __m512i d23 = _mm512_dpbusd_epi32(_mm512_load_si512(c + 16), hi, _mm512_load_si512(xq + 64));
-            const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_permutexvar_ps(i01, s512), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23),
-                                        _mm512_permutexvar_ps(_mm512_add_epi32(i01, _mm512_set1_epi32(4)), s512), acc[r][1]);
-        } else {
+        const int64_t at = (r0 + r) * a->G + g;
+        const int8_t *xq = a->q + at * 128;
+        const int32_t *c = a->c + at * 32;
+        const __m256 dm = _mm256_load_ps(a->dm + at * 8);
+        if (fmt != Q8_0) {
             const __m512i c0 = q8_offset(fmt) ? _mm512_load_si512(c) : _mm512_setzero_si512();
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c0, lo, _mm512_load_si512(xq)),
-                                                    hi, _mm512_load_si512(xq + 64));
-            const __m512i iq = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-            acc[r][slot] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(iq, s512), acc[r][slot]);
+            q8_nib_group(fmt, lo, hi, dw, _mm512_load_si512(xq), _mm512_load_si512(xq + 64), c0, dm,
+                         offset ? _mm256_load_ps(a->sm + at * 8) : _mm256_setzero_ps(),
+                         &acc[r][slot], &bias[r]);
+            continue;
         }
-        if (offset) bias[r] = _mm256_fmadd_ps(s, _mm256_load_ps(a->sm + (row * a->G + g) * 8), bias[r]);
+        const __m512 s512 = _mm512_castps256_ps512(_mm256_mul_ps(dw, dm));
+        const __m512i d01 = _mm512_dpbusd_epi32(_mm512_load_si512(c), lo, _mm512_load_si512(xq));
+        const __m512i d23 = _mm512_dpbusd_epi32(_mm512_load_si512(c + 16), hi, _mm512_load_si512(xq + 64));
+        const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_permutexvar_ps(i01, s512), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23),
+                                    _mm512_permutexvar_ps(_mm512_add_epi32(i01, _mm512_set1_epi32(4)), s512), acc[r][1]);
     }
 }
 #endif
@@ -1302,6 +1312,16 @@ static float q8_dot_portable(int fmt, const uint8_t *row, const Q8Rows *a, int64
 #endif
 
 #ifdef Q8_512
+/* out[i] = the lane sum of acc[i] plus that of bias[i], i < 4: four outputs in one reduction. */
+INLINE void q8_store4(const __m512 acc[4], const __m256 bias[4], float *out) {
+    __m256 h[4];
+    for (int i = 0; i < 4; i++)
+        h[i] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1))), bias[i]);
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+
 /* q8_dot_4w for the nibble formats: each group's activations (bytes, start values, scales)
    loaded once for the four weight rows, not once a row. Measured in L2 (one thread, SmolLM2's
    576-wide q4_1 rows): 11.8-12.1 ns a row against 13.6-14.3 for four q8_group512 calls. */
@@ -1311,13 +1331,13 @@ INLINE void q8_nib_4w(int fmt, const uint8_t *w, int64_t row_bytes, const Q8Rows
     const int64_t B = a->B, G = a->G;
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m256 bias[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    const __m512i iq = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
     for (int64_t g = 0; g < G; g++) {
         const int n = g < B / 4 ? 4 : (int)(B % 4);
         const int64_t at = r0 * G + g;
         const __m512i x0 = _mm512_load_si512(a->q + at * 128), x1 = _mm512_load_si512(a->q + at * 128 + 64);
         const __m512i c0 = q8_offset(fmt) ? _mm512_load_si512(a->c + at * 32) : _mm512_setzero_si512();
-        const __m256 dm = _mm256_load_ps(a->dm + at * 8), sm = _mm256_load_ps(a->sm + at * 8);
+        const __m256 dm = _mm256_load_ps(a->dm + at * 8);
+        const __m256 sm = offset ? _mm256_load_ps(a->sm + at * 8) : _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             const uint8_t *p = w + i * row_bytes + g * 4 * bb;
             prefetch_span(p + STREAM_AHEAD, 4 * bb);
@@ -1326,18 +1346,10 @@ INLINE void q8_nib_4w(int fmt, const uint8_t *w, int64_t row_bytes, const Q8Rows
             else if (n == 3) q8_quad_bytes(fmt, p, 3, &lo, &hi, &dw);
             else if (n == 2) q8_quad_bytes(fmt, p, 2, &lo, &hi, &dw);
             else q8_quad_bytes(fmt, p, 1, &lo, &hi, &dw);
-            const __m256 s = _mm256_mul_ps(dw, dm);
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c0, lo, x0), hi, x1);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(iq, _mm512_castps256_ps512(s)), acc[i]);
-            if (offset) bias[i] = _mm256_fmadd_ps(s, sm, bias[i]);
+            q8_nib_group(fmt, lo, hi, dw, x0, x1, c0, dm, sm, &acc[i], &bias[i]);
         }
     }
-    __m256 h[4];
-    for (int i = 0; i < 4; i++)
-        h[i] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(acc[i]),
-                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1))), bias[i]);
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    q8_store4(acc, bias, out);
 }
 
 /* Four weight rows (w, w + row_bytes, ...) against one activation row: out[0..3]. Four
@@ -1360,14 +1372,9 @@ INLINE void q8_dot_4w(int fmt, const uint8_t *w, int64_t row_bytes, const Q8Rows
         case 2: q8_group512(fmt, 1, w + i * row_bytes + full * 4 * bb, 2, a, r0, full, 1, &acc[i], &bias[i]); break;
         case 3: q8_group512(fmt, 1, w + i * row_bytes + full * 4 * bb, 3, a, r0, full, 1, &acc[i], &bias[i]); break;
         }
-    __m256 h[4];
-    for (int i = 0; i < 4; i++) {
-        const __m512 t = _mm512_add_ps(acc[i][0], acc[i][1]);
-        h[i] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(t),
-                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1))), bias[i]);
-    }
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    const __m512 sums[4] = {_mm512_add_ps(acc[0][0], acc[0][1]), _mm512_add_ps(acc[1][0], acc[1][1]),
+                            _mm512_add_ps(acc[2][0], acc[2][1]), _mm512_add_ps(acc[3][0], acc[3][1])};
+    q8_store4(sums, bias, out);
 }
 #endif
 
