@@ -1012,7 +1012,7 @@ INLINE int q8_offset(int fmt) {
 
 /* Whether a group's activation bytes are stored in the four-block nibble order (see above). */
 INLINE int q8_quad(int fmt) {
-#ifdef Q8_512
+#ifdef __AVX2__
     return fmt != Q8_0;
 #else
     (void)fmt; return 0;
@@ -1142,10 +1142,10 @@ INLINE __m256i q8_block_dot(int fmt, __m256i u, const int8_t *xq, const int32_t 
 /* [d_w m_w] of n (1..4) consecutive blocks as f32 [d0 m0 d1 m1 d2 m2 d3 m3], zeros past n (for
    the formats without m_w the odd lanes are bytes of the block, never used). */
 INLINE __m256 q8_group_scales(const uint8_t *p, int bb, int n) {
-    uint32_t v[4] = {0, 0, 0, 0};
-    for (int i = 0; i < n; i++) v[i] = rd32(p + i * bb);
-    const uint64_t lo = v[0] | (uint64_t)v[1] << 32, hi = v[2] | (uint64_t)v[3] << 32;
-    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
+    __m128i v[4];  /* four 32-bit loads, three unpacks (scalar shifts and ors took eight ops) */
+    for (int i = 0; i < 4; i++) v[i] = i < n ? _mm_cvtsi32_si128((int)rd32(p + i * bb)) : _mm_setzero_si128();
+    const __m128i all = _mm_unpacklo_epi64(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpacklo_epi32(v[2], v[3]));
+    return _mm256_cvtph_ps(all);
 }
 
 #ifdef Q8_512
@@ -1228,11 +1228,73 @@ INLINE void q8_group512(int fmt, const int R, const uint8_t *p, int n, const Q8R
 }
 #endif
 
-/* One group of n blocks for R rows, one block a 256-bit step (natural order). */
+/* A nibble format's blocks i and i + 1 at b, b + bb (the second only where `both`; zero bytes
+   otherwise) as the Q8_QUAD order of that pair: *lo = [block i elements 0-15 | block i+1 elements
+   0-15], *hi = the same for elements 16-31, unsigned 0..31. A pair's 16 quant bytes each, side
+   by side in one register, give both blocks' low nibbles with one mask and their high nibbles
+   with one shift and mask (a block alone in a register took a shift, an insert and a mask). */
+INLINE void q8_pair_bytes(int fmt, const uint8_t *b, const int both, __m256i *lo, __m256i *hi) {
+    const int bb = block_bytes(fmt), off = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + off));
+    const __m128i q1 = both ? _mm_loadu_si128((const __m128i *)(b + bb + off)) : _mm_setzero_si128();
+    const __m256i v = _mm256_set_m128i(q1, q0), m4 = _mm256_set1_epi8(15);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (fmt == Q5_0 || fmt == Q5_1) {  /* bit j of qh is element j's fifth bit */
+        const int at = fmt == Q5_0 ? 2 : 4;
+        const uint32_t h0 = rd32(b + at), h1 = both ? rd32(b + bb + at) : 0;
+        const uint32_t hl = (h0 & 0xffffu) | (h1 << 16), hh = (h0 >> 16) | (h1 & 0xffff0000u);
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL), sixteen = _mm256_set1_epi8(16);
+        const __m256i l = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)hl), spread), bits);
+        const __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)hh), spread), bits);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(l, bits), sixteen));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(h, bits), sixteen));
+    }
+}
+
+/* A pair's integer dots (lo/hi against the pair's activation bytes xlo/xhi, start values c0):
+   block i in lanes 0-3, block i+1 in lanes 4-7, eight products a lane, exact (|lane| <= 8 * 31 *
+   127; the 16-bit sums before the widening hold at most 4 * 31 * 127). */
+INLINE __m256i q8_pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, __m256i c0) {
+#ifdef Q8_VNNI
+    return DPBUSD256(DPBUSD256(c0, lo, xlo), hi, xhi);
+#else
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    return _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), c0);
+#endif
+}
+
+/* One group of n blocks for R rows. The nibble formats a pair of blocks a 256-bit step, the
+   activations in Q8_QUAD order (pair j's bytes at 32 j and 64 + 32 j of the group); q8_0 one block
+   a step, natural order. */
 INLINE void q8_group256(int fmt, const int R, const uint8_t *p, int n, const Q8Rows *a, int64_t r0,
                         int64_t g, __m256 acc[4][2], __m256 bias[4]) {
     const int bb = block_bytes(fmt), offset = fmt == Q4_1 || fmt == Q5_1;
     const __m256 dw = q8_group_scales(p, bb, n);
+    if (fmt != Q8_0) {
+        __m256i lo[2], hi[2];
+        q8_pair_bytes(fmt, p, n > 1, &lo[0], &hi[0]);
+        if (n > 2) q8_pair_bytes(fmt, p + 2 * bb, n > 3, &lo[1], &hi[1]);
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (r0 + r) * a->G + g;
+            const __m256 s = _mm256_mul_ps(dw, _mm256_load_ps(a->dm + at * 8));
+            const int8_t *xq = a->q + at * 128;
+            const int32_t *c = a->c + at * 32;
+            for (int j = 0; j < (n + 1) / 2; j++) {
+                const __m256i c0 = q8_offset(fmt) ? _mm256_load_si256((const __m256i *)(c + 8 * j))
+                                                  : _mm256_setzero_si256();
+                const __m256i dot = q8_pair_dot(lo[j], hi[j], _mm256_load_si256((const __m256i *)(xq + 32 * j)),
+                                                _mm256_load_si256((const __m256i *)(xq + 64 + 32 * j)), c0);
+                const __m256 sj = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j,
+                                                                                4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2));
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sj, acc[r][j]);
+            }
+            if (offset) bias[r] = _mm256_fmadd_ps(s, _mm256_load_ps(a->sm + at * 8), bias[r]);
+        }
+        return;
+    }
     __m256i u[4];
     for (int i = 0; i < n; i++) u[i] = q8_block_bytes(fmt, p + i * bb);
     for (int r = 0; r < R; r++) {
@@ -1245,7 +1307,6 @@ INLINE void q8_group256(int fmt, const int R, const uint8_t *p, int n, const Q8R
             acc[r][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_block_dot(fmt, u[i], xq + 32 * i, c + 8 * i)),
                                             si, acc[r][i & 1]);
         }
-        if (offset) bias[r] = _mm256_fmadd_ps(s, _mm256_load_ps(a->sm + at * 8), bias[r]);
     }
 }
 
