@@ -117,6 +117,59 @@ def test_a_slower_kernel_is_rejected_and_both_times_reported():
     assert len(registry) == 0
 
 
+def test_a_slower_kernel_stays_rejected_when_one_thread_confirms_the_loss():
+    # Why: the one-thread re-measurement only explains a stall; a kernel slow on its own merit
+    # (as slow alone as on the pool) keeps its loss and the pooled figures.
+    calls = {"pool": 0, "one": 0}
+
+    def slow(x, r, gain):
+        calls["one" if torch.get_num_threads() == 1 else "pool"] += 1
+        time.sleep(0.002)
+        return torch_residual(x, r, gain)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        synth = FakeSynth(slow)
+        g, node = fused_node(*RESIDUAL)
+        record = adopt(synth, request_for(g, node), BackendId.CPU, table=cpu_table(),
+                       registry=RuntimeFusedRegistry(), profile_repeats=3)
+        assert torch.get_num_threads() == 2  # the pool is given back
+    finally:
+        torch.set_num_threads(before)
+    assert record.outcome is Outcome.SLOWER and "stalled" not in record.reason
+    assert calls["pool"] and calls["one"]  # measured both ways
+
+
+def test_a_kernel_the_pool_stalls_is_judged_on_one_thread_and_says_so():
+    # Why: with another process holding a core, every parallel region of the pool waits for a
+    # time slice: a pool-parallel kernel measured then lost the gate by 40x and stayed rejected
+    # in every program built and stored. Its one-thread figure is what it costs.
+    g, node = fused_node(*RESIDUAL)
+    request = request_for(g, node)
+    answer = {}
+
+    def pooled_kernel(x, r, gain):
+        if "out" not in answer:
+            answer["out"] = torch_residual(x, r, gain)
+        if torch.get_num_threads() > 1:
+            time.sleep(0.003)  # a time slice at a stalled region
+        return answer["out"]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        synth, registry = FakeSynth(pooled_kernel), RuntimeFusedRegistry()
+        record = adopt(synth, request, BackendId.CPU, table=cpu_table(), registry=registry,
+                       profile_repeats=3)
+    finally:
+        torch.set_num_threads(before)
+    assert record.outcome is Outcome.ADOPTED, record.reason
+    assert record.kernel_ns < 1_000_000 and record.kernel_ns < record.decomposed_ns
+    assert "on one thread (on the pool of 2 it took" in record.reason
+    assert "the pool was stalled" in record.reason and len(registry) == 1
+
+
 def test_a_decline_is_recorded_with_the_synthesizers_reason(numba_synth):
     g, node = fused_node(FusedOps.FUSED_LINEAR, FusedOpParams.FusedLinear(), [[4, 8], [16, 8]],
                          [F32, F32])

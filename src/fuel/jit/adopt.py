@@ -17,7 +17,9 @@ Decides whether a kernel a synthesizer handed over may run in place of its regio
 4. the cost gate: profile the kernel and the decomposed region on the same inputs, their samples
    interleaved (``fuel.cost.profile.profile_pair``); adopt only
    when the kernel is strictly faster (both figures are recorded either way; a slower kernel is
-   rejected through ``on_rejected`` too);
+   rejected through ``on_rejected`` too). A loss on the thread pool is measured again on one
+   thread, and where the pool stalled the kernel (another process holding a core) the one-
+   thread pair decides (:func:`_confirm_on_one_thread`);
 5. register the region (``RuntimeFusedRegistry``, deduplicated by structural hash), bind the
    kernel under ``(runtime id, input dtypes then output dtype, backend)`` with the synthesizer's
    ``kernel_source``, its precision (recipe tolerance) and a cost function answering the
@@ -170,15 +172,19 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
     # Interleaved, so interference from other work lands on both sides alike; a side whose
     # calibration call already loses by the race margin is not sampled further (a 40 ms
     # dequantize-then-matmul LM head beside its 1 ms kernel).
-    measured, decomposed = profile_pair(lambda: kernel.run(*bench.inputs),
-                                        lambda: bench.program.run(bench.feeds),
-                                        repeats=profile_repeats, budget_ns=GATE_BUDGET_NS,
-                                        retire=race_pair)
+    def measure():
+        return profile_pair(lambda: kernel.run(*bench.inputs), lambda: bench.program.run(bench.feeds),
+                            repeats=profile_repeats, budget_ns=GATE_BUDGET_NS, retire=race_pair)
+
+    measured, decomposed = measure()
+    stalled = ""
+    if measured.median_ns >= decomposed.median_ns:
+        measured, decomposed, stalled = _confirm_on_one_thread(measure, measured, decomposed)
     kernel_ns, decomposed_ns = measured.median_ns, decomposed.median_ns
     known.update(kernel_ns=kernel_ns, decomposed_ns=decomposed_ns)
     if kernel_ns >= decomposed_ns:
         report = (f"slower: kernel {kernel_ns} ns >= decomposed region {decomposed_ns} ns "
-                  f"at {', '.join(map(str, request.inputs))}")
+                  f"at {', '.join(map(str, request.inputs))}{stalled}")
         synth.on_rejected(entry, report)
         return record(Outcome.SLOWER, report, **known)
 
@@ -202,8 +208,48 @@ def adopt(synth: Synthesizer, request: JitRequest, backend: BackendId, *,
     within = "" if check.bound_max is None else \
         f" within its stated bound (largest allowance {check.bound_max:.2e})"
     return record(Outcome.ADOPTED, f"verified (max error {check.max_abs_error:.2e}{within}) and "
-                  f"{speedup:.2f}x faster than the decomposed region",
+                  f"{speedup:.2f}x faster than the decomposed region{stalled}",
                   runtime_id=runtime_id, **known)
+
+
+STALL_FACTOR = 4
+"""How many times its one-thread time a kernel must take on the pool for its pooled measurement
+to count as stalled (:func:`_confirm_on_one_thread`)."""
+
+
+def _confirm_on_one_thread(measure, measured, decomposed):
+    """A kernel that lost the gate on the thread pool, measured again with both sides on one
+    thread: ``(kernel, decomposed, note)``, the one-thread pair and a note for the record where
+    the pool stalled the kernel, else the pooled pair unchanged and no note.
+
+    A parallel region waits for every thread of the pool. When another process holds a core
+    (a compiler, a second engine), a thread of the pool waits for a time slice at each region,
+    so a kernel that shares its rows over the pool takes milliseconds where it takes
+    microseconds alone, while a decomposition of small torch ops, each run on the calling
+    thread, hardly notices (measured here with two busy processes on the two cores: bf16
+    quant_linear 1x576 by 576x576, 7.7 ms against the decomposition's 0.17 ms; ~0.05 ms on a
+    quiet machine). Rejected, the kernel stays rejected in every program built then and stored.
+    So a loss is confirmed on one thread: where the kernel takes more than :data:`STALL_FACTOR`
+    times as long on the pool as on one thread (on a quiet machine a pool is never slower than
+    one of its threads by that much), the pooled figure measured the stall, and the gate decides
+    on the one-thread pair instead. A kernel that loses on merit (a serial kernel beside a
+    decomposition the pool speeds up) is as fast on one thread as on the pool: its loss stands."""
+    import torch
+
+    pool = torch.get_num_threads()
+    if pool <= 1:
+        return measured, decomposed, ""
+    torch.set_num_threads(1)
+    try:
+        alone, decomposed_alone = measure()
+    finally:
+        torch.set_num_threads(pool)
+    if measured.median_ns <= STALL_FACTOR * alone.median_ns:
+        return measured, decomposed, ""
+    note = (f" on one thread (on the pool of {pool} it took {measured.median_ns} ns, "
+            f"{measured.median_ns / alone.median_ns:.0f}x its one-thread time: the pool was "
+            f"stalled, another process holding a core)")
+    return alone, decomposed_alone, note
 
 
 def _bind(table: KernelBindingTable, runtime_id: int, request: JitRequest, backend: BackendId,
