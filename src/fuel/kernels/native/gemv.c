@@ -964,9 +964,14 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
      gathers the four [d_w m_w] (and q5's high bits, applied as byte masks). q8_0's 32 bytes are
      contiguous: two blocks a register, natural order. The last group of a row may be partial:
      masked loads read only its blocks, the activations beyond K are zeros.
-   - AVX-VNNI or AVX-512VL VNNI without VBMI: one block a 256-bit vpdpbusd, natural order.
-   - AVX2 alone: vpmaddubsw + vpmaddwd (no saturation: |u| <= 31, and q8_0 multiplies |w| <= 128
-     by the sign-moved activation, 2 * 128 * 127 < 2^15).
+   - AVX2 (with AVX-VNNI or AVX-512VL VNNI without VBMI: 256-bit vpdpbusd; AVX2 alone: vpmaddubsw
+     + vpmaddwd): the nibble formats a pair of blocks a step, in the same Q8_QUAD activation
+     order: the two blocks' 16 quant bytes side by side in one register, so one mask gives both
+     blocks' low nibbles [b0 0-15 | b1 0-15] and one shift and mask their high nibbles, against
+     the group's activation bytes 32 j and 64 + 32 j (pair j); block i's dot lands in four 32-bit
+     lanes. q8_0 one block a step, natural order. No saturation without VNNI: |u| <= 31 (two
+     products a 16-bit lane, their sum over the two halves four: 4 * 31 * 127 < 2^15), and q8_0
+     multiplies |w| <= 128 by the sign-moved activation, 2 * 128 * 127 < 2^15.
    - portable C otherwise.
    The VNNI paths read q8_0's signed weights as unsigned (w + 128, an xor) and take 128 S_b back;
    the symmetric offsets (8, 16, 128) are folded into the 32-bit accumulators' start values,
