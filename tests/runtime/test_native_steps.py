@@ -543,6 +543,59 @@ def test_a_smollm2_decode_step_list_gives_the_per_node_logits(native_jit_engine,
     _decode_both_ways(native_jit_engine, smollm2_tokenizer)
 
 
+class _FixedThreads:
+    """A StepThreads stand-in that always answers ``count`` and notes what it was told."""
+
+    def __init__(self, count: int):
+        self.count, self.pool, self.recorded = count, torch.get_num_threads(), []
+
+    def threads(self) -> int:
+        return self.count
+
+    def record(self, key, threads: int, seconds: float) -> None:
+        self.recorded.append(threads)
+
+
+def test_a_decode_step_lists_results_do_not_depend_on_the_thread_count_it_runs_on(
+        native_jit_engine, smollm2_tokenizer, monkeypatch):
+    # Why: a step list moves between the pool and one thread as the machine's load changes
+    # (fuel.kernels.threads.StepThreads); the logits, and so the text, must not move with it.
+    # 80 positions: attention shares its units over the pool (ATTN_PARALLEL_WORK) too.
+    from fuel.circuit.rules import Mode
+    from fuel.kernels import threads as threads_module
+    from fuel.runtime.generate import prefill
+
+    engine = native_jit_engine
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the pool the stand-in chooser below serves
+    prompt = smollm2_tokenizer.encode("a b c d " * 20)
+    for name in ("one", "pool"):
+        engine.add_sequence(name)
+        prefill(engine, name, prompt)
+    try:
+        first = engine.step(Mode.DECODE, [("one", [prompt[-1]])])
+        assert torch.equal(engine.step(Mode.DECODE, [("pool", [prompt[-1]])]).logits, first.logits)
+        steps = first.program.program.native
+        assert isinstance(steps, NativeSteps)
+        engine.stats.reset()
+        tokens = {"one": first.tokens[-1], "pool": first.tokens[-1]}
+        for _ in range(3):
+            logits = {}
+            for name, count in (("one", 1), ("pool", 2)):
+                chooser = _FixedThreads(count)
+                monkeypatch.setitem(threads_module._SHARED, 2, chooser)
+                result = engine.step(Mode.DECODE, [(name, [tokens[name]])])
+                assert result.program.program.native is steps
+                assert steps.last_threads == count and chooser.recorded == [count]
+                logits[name], tokens[name] = result.logits, result.tokens[-1]
+            assert torch.equal(logits["one"], logits["pool"])
+        assert engine.stats.threads == {("decode", 1): 3, ("decode", 2): 3}
+    finally:
+        engine.free("one")
+        engine.free("pool")
+        torch.set_num_threads(before)
+
+
 def test_a_root_that_is_a_reshaped_view_of_a_fed_cache_is_declined_not_returned_misshapen():
     g = Graph()
     cache, rows, slots = g.input("cache", [4, 2, 1, 4], F32), g.input("rows", [1, 1, 4], F32), \

@@ -106,8 +106,10 @@ def test_a_second_engine_on_the_same_store_measures_nothing(jit_run, smollm2_wei
     def cell(m):
         return (m.op, m.dtype, m.size_class, m.backend, m.kernel_source)
 
+    # (cells timed while the pool stalled were kept by the first session alone: fuel.jit.session)
+    stored = {cell(m) for m in session.measured} - {cell(m) for m in session.unstored}
     assert session.measured
-    assert not {cell(m) for m in later.measured} & {cell(m) for m in session.measured}
+    assert not {cell(m) for m in later.measured} & stored
     assert sum(p.runtime_fused_executed() for p in decode_programs(again)) >= 30
 
 
@@ -275,3 +277,29 @@ def test_a_second_process_restores_the_programs_and_measures_and_compiles_nothin
     assert second["measured"] == 0 and second["adopted"] == 0
     assert second["compile"] == 0, "its kernels load from the JIT's and the native disk caches"
     assert second["tokens"] == first["tokens"]
+
+
+@pytest.mark.slow
+def test_cells_timed_on_a_stalled_pool_run_on_one_thread_and_are_not_stored(
+        smollm2_weights, numba_cache, prompt_ids, tmp_path, monkeypatch):
+    # Why: with another process holding a core, a pool-parallel kernel timed at a time slice a
+    # region lost to a recipe, and the stored figure priced every later build the same way
+    # (the decode lost its one-call step list in every later process on this machine).
+    from fuel.kernels import threads
+
+    seen = []
+
+    def profile(key, call):
+        seen.append(torch.get_num_threads())
+        return profile_kernel(call, **FAST)
+
+    monkeypatch.setattr(threads, "pool_stalled", lambda pool: 0.004)
+    engine, session = jit_engine(smollm2_weights, tmp_path, numba_cache, profile=profile)
+    generate(engine, prompt_ids, 2)
+    assert session.measured and seen and set(seen) == {1}
+    assert torch.get_num_threads() == 2  # the pool is given back
+    assert not (tmp_path / "judge.sqlite").exists()  # nothing stored
+    assert len(session.judge()) >= len({(m.op, m.size_class, m.kernel_source)
+                                         for m in session.measured})  # but priced from
+    assert any("timed on one thread, not stored: the pool of 2 was stalled" in note
+               for note in session.notes)

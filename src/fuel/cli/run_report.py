@@ -301,6 +301,7 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         else:
             text = "every program restored: nothing compiled or measured this run"
         rows.append(("jit", text))
+        rows.extend(("jit", note) for note in jit.get("notes", []))
     return rows
 
 
@@ -372,11 +373,13 @@ def _print(console: Console, table: Table) -> None:
 
 def print_tables(console: Console, result: dict[str, Any]) -> None:
     steps = _table("steps by mode", "mode", "steps", "rows/step", "launches/step",
-                   "kernel calls/step", "host calls/step")
+                   "kernel calls/step", "host calls/step", "threads (steps)")
     for mode, row in result["steps"].items():
+        threads = row.get("threads") or {}
         steps.add_row(mode, str(row["steps"]), str(row["rows_per_step"]),
                       str(row["launches_per_step"]), str(row["kernel_calls_per_step"]),
-                      str(row.get("host_calls_per_step", "-")))
+                      str(row.get("host_calls_per_step", "-")),
+                      ", ".join(f"{n} ({count})" for n, count in threads.items()) or "-")
     _print(console, steps)
     digests = _table("plans used", "plan digest", "mode")
     for digest, what in result["plan_digests"].items():

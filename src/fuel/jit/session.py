@@ -147,6 +147,11 @@ class JitSession:
     _names: dict[str, str] = field(default_factory=dict)
     """Judge op name of an adopted region (``jit:<hash>``) -> the region (for progress)."""
     _judge: Any = None
+    notes: list[str] = field(default_factory=list)
+    """What the session did that a user should know of (Judge cells timed on one thread while
+    the pool stalled, kept for this process only)."""
+    unstored: list[Any] = field(default_factory=list)
+    """Judge rows measured while the pool stalled: priced from in this process, never stored."""
 
     def __post_init__(self) -> None:
         if self.synthesizer is None:
@@ -193,11 +198,20 @@ class JitSession:
         return ShapeGate(MappingProxyType(dict(self._verdicts)))
 
     def judge(self):
-        """The Judge snapshot the bake reads (this machine's rows of the store)."""
+        """The Judge snapshot the bake reads (this machine's rows of the store, and the rows
+        this session measured on a stalled pool and did not store)."""
         if self._judge is None:
+            from types import MappingProxyType
+
             from fuel.cost.judge import JudgeOracle
 
-            self._judge = JudgeOracle.load(self.store_path, backends=(self.backend.value,))
+            stored = JudgeOracle.load(self.store_path, backends=(self.backend.value,))
+            if self.unstored:
+                here = {(r.op, r.dtype, r.size_class, r.backend, r.kernel_source): r
+                        for r in self.unstored}
+                stored = JudgeOracle(MappingProxyType({**stored.measurements, **here}),
+                                     stored.problem)
+            self._judge = stored
         return self._judge
 
     def measure(self, graph: Graph, branches: Iterable[NodeId], feeds: Mapping[str, Any],
@@ -219,14 +233,38 @@ class JitSession:
                         description=f"Judge: timing {self._names.get(key[0], key[0])} "
                                     f"({index + 1} of {total})")
 
-        with current().task("Judge: looking for unmeasured arm cells") as task:
-            rows = measure_branches(graph, branches, feeds, self.table, self.backend,
-                                    weights=weights, runtime=self.registry, known=known,
-                                    profile=self.profile, on_cell=on_cell, **self.profile_options)
+        import torch
+
+        from fuel.kernels.threads import pool_stalled
+
+        pool = torch.get_num_threads()
+        stalled = pool_stalled(pool)
+        if stalled is not None:
+            torch.set_num_threads(1)
+        try:
+            with current().task("Judge: looking for unmeasured arm cells") as task:
+                rows = measure_branches(graph, branches, feeds, self.table, self.backend,
+                                        weights=weights, runtime=self.registry, known=known,
+                                        profile=self.profile, on_cell=on_cell,
+                                        **self.profile_options)
+        finally:
+            if stalled is not None:
+                torch.set_num_threads(pool)
         if not rows:
             return []
-        with JudgeStore.open(self.store_path or default_store_path()) as store:
-            store.record_many(rows)
+        if stalled is None:
+            with JudgeStore.open(self.store_path or default_store_path()) as store:
+                store.record_many(rows)
+        else:
+            # Timed on a stalled pool, a kernel that shares its rows over the pool takes a time
+            # slice a region (a bf16 GEMV 8 ms against its 14 us) and loses to a recipe that
+            # cost the decode its step list; stored, that figure priced every later build. So
+            # the cells are timed on one thread, and kept for this process only.
+            self.unstored.extend(rows)
+            self.notes.append(
+                f"Judge: {len(rows)} cells timed on one thread, not stored: the pool of {pool} "
+                f"was stalled (an empty parallel region took {stalled * 1e6:.0f} us on average: "
+                f"another process holding a core)")
         self.measured.extend(rows)
         self._judge = None
         return rows

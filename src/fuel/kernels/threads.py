@@ -49,6 +49,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 NUMBA_PARALLEL = False
 """Whether synthesized numba kernels may use numba's own thread pool (never: see above)."""
@@ -121,5 +122,171 @@ def set_threads(threads: int | None) -> int:
     return count
 
 
-__all__ = ["NUMBA_PARALLEL", "POOL", "SPIN_BUSY", "SPIN_IDLE", "bound_pool_spin", "current_load",
+class StepThreads:
+    """The thread count native step lists run with, chosen from their own step times: the
+    pool's, or one thread while the pool stalls.
+
+    A parallel region waits for every thread of the pool. When another process holds a core,
+    a pool thread waits for a time slice at every region, and a decode step has ~120 of them:
+    SmolLM2's stored Q4_1 decode on this 2-core machine, one busy process beside it, ran 20
+    tokens/s on the pool of 2 (38 with the pool's threads sleeping instead of spinning) and 62
+    on one thread, against 129 on the pool when quiet. No setting chosen at start-up fits both,
+    so the step lists measure themselves: they run on the pool, one thread is probed for
+    ``probe_steps`` steps now and then, and the count whose recent steps took less (the median,
+    compared within one step list: a program's steps are alike, two programs' are not) is kept.
+
+    One chooser serves the process (:func:`step_threads`): a stall is the machine's, not one
+    program's, and a decode moves through several programs (one a context bucket). The first
+    probe comes ``probe_every`` steps in, the next ``after_switch`` steps after a switch (a
+    switch on a passing stall is undone soon), the interval doubling each time a probe keeps
+    the choice (up to ``max_interval``); and one comes at once when ``stall_steps`` steps of a
+    program in a row take ``stall`` times the median of its recent ones (a process just took a
+    core; those steps are then its figure). One slow step alone is a blip (a page fault, a
+    time slice) and counts as any other. On a quiet machine the probes cost ~0.5% (two
+    one-thread steps in ``max_interval``); under a stall, they are how the pool is taken back
+    when it ends.
+
+    Only for step lists whose results do not depend on the thread count (every native kernel
+    computes a row, a tile or an attention unit the same on whichever thread, in the same
+    order): the caller decides that. Pure bookkeeping: the caller times the runs."""
+
+    def __init__(self, pool: int, *, probe_every: int = 64, probe_steps: int = 2,
+                 max_interval: int = 512, window: int = 5, stall: float = 2.0,
+                 stall_steps: int = 2, after_switch: int = 16):
+        import threading
+
+        self.pool = max(1, pool)
+        self.current = self.pool
+        self.probe_every, self.probe_steps, self.max_interval = probe_every, probe_steps, max_interval
+        self.window, self.stall, self.stall_steps, self.after_switch = window, stall, stall_steps, after_switch
+        self._times: dict[tuple[Any, int], Any] = {}
+        """(program key, count) -> its recent step seconds."""
+        self._interval = probe_every
+        self._until_probe = probe_every
+        self._probe: list[tuple[Any, float]] = []  # (key, seconds) of the probe under way
+        self._probing = 0
+        self._slow: dict[Any, list[float]] = {}
+        self._lock = threading.Lock()
+        self.switches: list[tuple[int, int, float, float]] = []
+        """(step, new count, the program's median on it, on the old count), per switch."""
+        self.steps = 0
+
+    @property
+    def _other(self) -> int:
+        return 1 if self.current == self.pool else self.pool
+
+    def threads(self) -> int:
+        """The count the next run takes."""
+        return self._other if self._probing else self.current
+
+    def _window(self, key: Any, count: int):
+        from collections import deque
+
+        return self._times.setdefault((key, count), deque(maxlen=self.window))
+
+    def record(self, key: Any, threads: int, seconds: float) -> None:
+        """Program ``key``'s run took ``seconds`` on ``threads`` threads (the count
+        :meth:`threads` gave)."""
+        import statistics
+
+        with self._lock:
+            self.steps += 1
+            if self.pool == 1 or threads not in (1, self.pool):
+                return
+            if self._probing and threads == self._other:
+                self._probe.append((key, seconds))
+                self._probing -= 1
+                if not self._probing:
+                    self._decide(key)
+                return
+            if threads != self.current:
+                return  # a run that began before a switch
+            times, slow = self._window(key, threads), self._slow.setdefault(key, [])
+            self._until_probe -= 1
+            if len(times) == times.maxlen and seconds > self.stall * statistics.median(times):
+                slow.append(seconds)
+                if len(slow) < self.stall_steps:
+                    return  # one slow step is a blip (a page fault, a time slice), not a stall
+                times.clear()  # the program's figure is now the stalled steps
+                times.extend(slow)
+                self._until_probe = 0
+            else:
+                times.extend(slow)  # a blip: its steps count as any others
+                times.append(seconds)
+            slow.clear()
+            if self._until_probe <= 0:
+                self._probe = []
+                self._probing = self.probe_steps
+
+    def _decide(self, key: Any) -> None:
+        import statistics
+
+        probed = [seconds for k, seconds in self._probe if k == key]
+        mine = self._times.get((key, self.current))
+        other = statistics.median(probed)
+        if mine and other < statistics.median(mine):
+            self.switches.append((self.steps, self._other, other, statistics.median(mine)))
+            self.current = self._other
+            window = self._window(key, self.current)
+            window.clear()
+            window.extend(probed)
+            self._interval = self.after_switch  # a switch on a passing stall is undone soon
+        else:  # kept (or this program has no figure on the current count yet: ask again soon)
+            self._interval = min(2 * self._interval, self.max_interval) if mine else self.after_switch
+        self._until_probe = self._interval
+
+
+GAP_S = 100e-6
+"""The serial stretch :func:`pool_stalled` leaves between two regions (a step's epilogues): the
+pool's other threads wait through it, where another process can take their core."""
+
+STALLED_REGION_S = 50e-6
+"""Mean seconds an empty parallel region of the pool may take before the pool counts as
+stalled (:func:`pool_stalled`): a few microseconds on a quiet machine."""
+
+
+def pool_stalled(threads: int, regions: int = 50, clock=None) -> float | None:
+    """The mean seconds an empty parallel region of ``threads`` threads took, over ``regions``
+    of them, where that is more than :data:`STALLED_REGION_S` (the pool is stalled: another
+    process holds a core), else None; None too on one thread or without the native library.
+
+    A stall is a mean effect: most regions still take microseconds, and one in several waits a
+    time slice (milliseconds) for a descheduled thread, so the median of a few regions misses
+    it (a torch fill of 1 MB: 23-31 us median with one or two busy processes beside it, while
+    the decode step, ~120 regions, ran 6x slower). Fifty regions cost ~0.2 ms when quiet."""
+    import time
+
+    if threads <= 1:
+        return None
+    from fuel.kernels import native
+
+    lib = native.load()
+    if isinstance(lib, native.Unavailable):
+        return None
+    clock = clock or time.perf_counter
+    spent = 0.0
+    for _ in range(regions):
+        started = clock()
+        lib.pool_threads(threads)
+        ended = clock()
+        spent += ended - started
+        while clock() - ended < GAP_S:  # serial work between regions, as a step has
+            pass
+    mean = spent / regions
+    return mean if mean > STALLED_REGION_S else None
+
+
+_SHARED: dict[int, StepThreads] = {}
+
+
+def step_threads(pool: int) -> StepThreads:
+    """The process's :class:`StepThreads` for a pool of ``pool`` threads."""
+    chooser = _SHARED.get(pool)
+    if chooser is None:
+        chooser = _SHARED[pool] = StepThreads(pool)
+    return chooser
+
+
+__all__ = ["NUMBA_PARALLEL", "POOL", "SPIN_BUSY", "SPIN_IDLE", "StepThreads", "bound_pool_spin", "current_load",
+           "pool_stalled", "step_threads",
            "runnable_from", "set_threads", "spin_count_for"]

@@ -135,13 +135,20 @@ class EngineStats:
             self.expert_shape[mode.value] = (probe.experts, top_k)
     restored: Counter = field(default_factory=Counter)
     """Of ``builds``, the programs restored from the on-disk program cache."""
+    threads: Counter = field(default_factory=Counter)
+    """Per (mode, thread count): steps a native step list ran on that many threads (fewer than
+    the pool's while the pool stalled: ``fuel.kernels.threads.StepThreads``)."""
 
-    def record(self, mode: Mode, program: StepProgram) -> None:
+    def record(self, mode: Mode, program: StepProgram, threads: int | None = None) -> None:
+        """Count one step of ``program`` (``threads``: the count its step list ran on, None
+        when it ran node by node)."""
         self.steps[mode.value] += 1
         self.rows[mode.value] += program.step.shape.rows
         self.launches[mode.value] += program.launches
         self.dispatched[mode.value] += program.dispatched
         self.host_calls[mode.value] += program.host_calls
+        if threads is not None:
+            self.threads[(mode.value, threads)] += 1
         if program.digest not in self.digests:
             self.digests[program.digest] = f"{mode.value} rows={program.step.plan.rows}"
         for choice in program.last_route.choices if program.last_route is not None else ():
@@ -153,7 +160,8 @@ class EngineStats:
         for counter in (self.steps, self.rows, self.launches, self.dispatched, self.host_calls,
                         self.builds,
                         self.build_s, self.routes, self.experts, self.expert_bytes,
-                        self.expert_layer_steps, self.experts_uniform, self.restored):
+                        self.expert_layer_steps, self.experts_uniform, self.restored,
+                        self.threads):
             counter.clear()
         self.digests.clear()
         self.expert_shape.clear()
@@ -447,7 +455,7 @@ class Engine:
             logits, tokens, chosen = program.run_routed(feeds)
         else:
             logits, tokens = program.run(feeds)
-        self.stats.record(mode, program)
+        self.stats.record(mode, program, None if timed else program.program.last_threads)
         if chosen:
             self.stats.record_routing(mode, program, chosen)
         return StepResult(logits, tokens.reshape(-1).tolist(), program, seconds)

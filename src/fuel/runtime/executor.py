@@ -141,6 +141,12 @@ class Program:
         return self._steps.host_calls if self._steps is not None else len(self.executed)
 
     @property
+    def last_threads(self) -> int | None:
+        """The thread count the step list's last run took (``NativeSteps.last_threads``), None
+        for a program that runs node by node."""
+        return self._steps.last_threads if self._steps is not None else None
+
+    @property
     def kernel_calls(self) -> int:
         """Kernels a plain run executes: a step list's (its views are offsets and run nothing),
         else one per step."""

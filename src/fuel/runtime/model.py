@@ -177,7 +177,12 @@ def report(model: Model, outs: Sequence[Generation], elapsed: float, *, speculat
                        "launches_per_step": round(stats.launches[mode] / count, 1),
                        "kernel_calls_per_step": round(stats.dispatched[mode] / count, 1),
                        "host_calls_per_step": round(stats.host_calls[mode] / count, 1),
-                       "rows_per_step": round(stats.rows[mode] / count, 2)}
+                       "rows_per_step": round(stats.rows[mode] / count, 2),
+                       # steps per thread count their step lists ran on (fewer than the pool's
+                       # while another process held a core: fuel.kernels.threads.StepThreads)
+                       "threads": {str(n): steps for (m, n), steps in sorted(stats.threads.items(),
+                                                                              reverse=True)
+                                   if m == mode}}
                 for mode, count in sorted(stats.steps.items())}
     bakes = []
     for program in model.engine.programs():
@@ -283,6 +288,7 @@ def _jit_report(model: Model) -> dict[str, Any]:
         return {"enabled": False, "note": model.jit_note or "off (--no-jit)"}
     return {"enabled": True, "adoptions": model.jit.report(),
             "judge_rows_measured": len(model.jit.measured),
+            "notes": list(model.jit.notes),
             "store": str(model.jit.store_path) if model.jit.store_path else "default"}
 
 

@@ -59,15 +59,18 @@ bit (tests hold both to that).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fuel.graph.ir import Fused, Graph, NodeId, Prim
+from fuel.kernels.threads import step_threads
 from fuel.graph.ops import OpKind
 from fuel.graph.registry import FusedOps
 from fuel.kernels.torch_kernels import NATIVE_WEIGHT_FORMATS, torch_dtype
@@ -311,6 +314,10 @@ class _Host:
             kernel, ins, slot, shape, dtype, name)
 
 
+_PROGRAM_KEYS = itertools.count()
+"""A step list's key in the thread chooser's figures."""
+
+
 class NativeSteps:
     """A program laid out for ``fuel_run_steps``: :meth:`run` with the fed tensors."""
 
@@ -333,6 +340,13 @@ class NativeSteps:
         self._views = views  # (slot, offset, shape, dtype) -> a tensor on the arena or a constant
         self._lock = threading.Lock()
         self._threads = torch.get_num_threads
+        self._adaptive = not any(isinstance(segment, _Host) for segment in segments)
+        """Whether the thread count is the process's chooser's (``fuel.kernels.threads.
+        step_threads``): a step list with no host steps (torch's kernels may sum in another
+        order on another count)."""
+        self._key = next(_PROGRAM_KEYS)
+        self.last_threads: int | None = None
+        """The thread count the last run took."""
         self._last: list[Any] = [None] * len(feed_slots)
         """The fed tensors whose addresses the table holds: one passed again as the same object
         (the engine's KV caches and reused feed buffers, never resized) is not checked again."""
@@ -362,6 +376,7 @@ class NativeSteps:
         """The roots' values, or None where the per-node path must run instead (module docs)."""
         if not self._lock.acquire(blocking=False):
             return None
+        self.last_threads = None
         try:
             table, last = self._table, self._last
             for index, (slot, tensor) in enumerate(zip(self._feed_slots, fed)):
@@ -373,11 +388,17 @@ class NativeSteps:
                 table[slot] = tensor.data_ptr()
                 last[index] = tensor
             held: dict[int, Any] = {}  # host steps' results, alive until the roots are out
-            threads = self._threads()
+            threads, chooser = self._threads(), None
+            if self._adaptive:
+                chooser = step_threads(threads)
+                threads = chooser.threads()
             for segment, released in zip(self._segments, self._released):
                 if not isinstance(segment, _Host):
+                    started = time.perf_counter()
                     if self._call(segment, len(segment), table, threads) != 0:
                         return None
+                    if chooser is not None:
+                        chooser.record(self._key, threads, time.perf_counter() - started)
                 else:
                     out = segment.kernel(*(self._value(r, fed, held) for r in segment.ins))
                     if out.dtype != segment.dtype or tuple(out.shape) != segment.shape:
@@ -388,6 +409,7 @@ class NativeSteps:
                     table[segment.slot] = out.data_ptr()
                 for slot in released:
                     del held[slot]
+            self.last_threads = threads
             return tuple(view.clone() if view is not None
                          else fed[index] if index is not None
                          else self._root(ref, fed, held)

@@ -62,6 +62,8 @@ void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, con
 int64_t fuel_matmul_tile(void);
 void fuel_prefetch(const void *p, int64_t bytes);
 int omp_get_thread_num(void);
+int omp_get_max_threads(void);
+void omp_set_num_threads(int);
 void *fuel_q8_prepare(int fmt, const float *x, int64_t M, int64_t K);
 void fuel_q8_release(void *rows);
 void fuel_matmul_q8_rows(int fmt, const uint8_t *w, float *out, const void *rows, int64_t M,
@@ -298,7 +300,7 @@ static int run_fused(const fuel_step *s, void *const *table, int threads) {
     return 0;
 }
 
-int fuel_run_steps(const fuel_step *steps, int64_t count, void *const *table, int threads) {
+static int run_steps(const fuel_step *steps, int64_t count, void *const *table, int threads) {
     for (int64_t i = 0; i < count; i++) {
         const fuel_step *s = steps + i;
         if (s->kind == STEP_FUSED) {
@@ -309,4 +311,17 @@ int fuel_run_steps(const fuel_step *steps, int64_t count, void *const *table, in
         }
     }
     return 0;
+}
+
+/* The steps on `threads` threads: the kernels given a count take it, and for the call the
+   calling thread's default team size is that count too, so the ones that size their region by
+   the pool (attention over its units) take it as well (fuel.kernels.threads.StepThreads runs a
+   step list on one thread while the pool stalls; one region on the whole pool would stall it
+   again). */
+int fuel_run_steps(const fuel_step *steps, int64_t count, void *const *table, int threads) {
+    const int pool = omp_get_max_threads(), team = threads > 0 ? threads : 1;
+    if (team != pool) omp_set_num_threads(team);
+    const int status = run_steps(steps, count, table, team);
+    if (team != pool) omp_set_num_threads(pool);
+    return status;
 }
