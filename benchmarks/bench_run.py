@@ -33,7 +33,10 @@ absent), and the bandwidth floor for the stored bytes: this machine's read bandw
 just before and just after fuel's decode (the higher), the cached probe's figure printed beside
 it (targets: >= 1.0x llama.cpp, within 2x of the floor)::
 
-    .venv/bin/python benchmarks/bench_run.py --stored [--llama-python /work/peer/llama/bin/python]
+    .venv/bin/python benchmarks/bench_run.py --stored [--busy] [--llama-python /work/peer/llama/bin/python]
+
+``--busy`` measures both decodes again beside one process spinning on a core (fuel's steps by
+the thread count they ran on are printed: ``fuel.kernels.threads.StepThreads``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -155,19 +159,47 @@ def stored_q4_1(args) -> None:
         print(f"  llama.cpp: --llama-python {python} is not an interpreter; peer skipped")
         return
     ids = model.tokenizer.encode(model.tokenizer.format_prompt(PROMPT))
-    script = Path(__file__).with_name("llamacpp_peer.py")
-    rates = []
-    for _ in range(args.repeats):
-        done = subprocess.run([str(python), str(script), str(default_model_path()), str(threads),
-                               str(args.tokens), json.dumps([ids])], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"  llama.cpp peer failed: {done.stderr.strip()[-300:]}")
-            return
-        run = json.loads(done.stdout)["runs"][0]
-        rates.append(run["decode_tokens"] / run["decode_s"])
-    peer = statistics.median(rates)
+    peer = llama_decode_rate(python, threads, args.tokens, args.repeats, ids)
+    if peer is None:
+        return
     print(f"  llama.cpp (llama-cpp-python) decode: {peer:8.2f} tokens/s")
     print(f"  ratio fuel / llama.cpp: {rate / peer:6.2f}x (target >= 1.0x)")
+    if args.busy:
+        # One process spinning on a core beside each engine's decode (a compiler, another
+        # server): a parallel region then waits a time slice for a descheduled pool thread.
+        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            busy_rate, busy_report = fuel_decode_rate(model, args.tokens, args.repeats)
+            busy_peer = llama_decode_rate(python, threads, args.tokens, args.repeats, ids)
+        finally:
+            burner.kill()
+            burner.wait()
+        counts = busy_report["steps"]["decode"].get("threads") or {}
+        print(f"  beside one busy process: fuel {busy_rate:8.2f} tokens/s (decode steps by thread "
+              f"count: {', '.join(f'{n}: {c}' for n, c in counts.items()) or '-'}), llama.cpp "
+              + (f"{busy_peer:8.2f} tokens/s, ratio {busy_rate / busy_peer:.2f}x"
+                 if busy_peer else "failed"))
+
+
+def llama_decode_rate(python: Path, threads: int, tokens: int, repeats: int,
+                      ids: list[int]) -> float | None:
+    """llama.cpp's median decode rate on the shipped file (``llamacpp_peer.py`` in the peer
+    interpreter, a new process a repeat), or None (said) when the peer fails."""
+    import subprocess
+
+    from fuel.runtime.weights import default_model_path
+
+    script = Path(__file__).with_name("llamacpp_peer.py")
+    rates = []
+    for _ in range(repeats):
+        done = subprocess.run([str(python), str(script), str(default_model_path()), str(threads),
+                               str(tokens), json.dumps([ids])], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"  llama.cpp peer failed: {done.stderr.strip()[-300:]}")
+            return None
+        run = json.loads(done.stdout)["runs"][0]
+        rates.append(run["decode_tokens"] / run["decode_s"])
+    return statistics.median(rates)
 
 
 LONG_TEXT = ("The history of the bicycle spans more than two centuries, from the wooden "
@@ -378,6 +410,8 @@ def main() -> None:
     parser.add_argument("--dtype", action="append", choices=list(LLAMA_DTYPES))
     parser.add_argument("--jit", action="append", choices=["off", "on"])
     parser.add_argument("--stored", action="store_true", help="the Q4_1 file in its stored formats")
+    parser.add_argument("--busy", action="store_true",
+                        help="with --stored: both decodes again beside one busy process")
     parser.add_argument("--worker", choices=["fuel"], help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)

@@ -142,9 +142,9 @@ class StepThreads:
     the choice (up to ``max_interval``); and one comes at once when ``stall_steps`` steps of a
     program in a row take ``stall`` times the median of its recent ones (a process just took a
     core; those steps are then its figure). One slow step alone is a blip (a page fault, a
-    time slice) and counts as any other. On a quiet machine the probes cost ~0.5% (two
-    one-thread steps in ``max_interval``); under a stall, they are how the pool is taken back
-    when it ends.
+    time slice) and counts as any other. On a quiet machine the probes cost two one-thread
+    steps an interval (~0.2% of the steps once it reaches ``max_interval``); under a stall,
+    they are how the pool is taken back when it ends.
 
     Only for step lists whose results do not depend on the thread count (every native kernel
     computes a row, a tile or an attention unit the same on whichever thread, in the same
@@ -253,7 +253,8 @@ def pool_stalled(threads: int, regions: int = 50, clock=None) -> float | None:
     A stall is a mean effect: most regions still take microseconds, and one in several waits a
     time slice (milliseconds) for a descheduled thread, so the median of a few regions misses
     it (a torch fill of 1 MB: 23-31 us median with one or two busy processes beside it, while
-    the decode step, ~120 regions, ran 6x slower). Fifty regions cost ~0.2 ms when quiet."""
+    the decode step, ~120 regions, ran 6x slower). Fifty regions and their gaps take ~5 ms when
+    quiet; it runs only before a program build times Judge cells."""
     import time
 
     if threads <= 1:

@@ -70,9 +70,9 @@ from typing import Any
 import torch
 
 from fuel.graph.ir import Fused, Graph, NodeId, Prim
-from fuel.kernels.threads import step_threads
 from fuel.graph.ops import OpKind
 from fuel.graph.registry import FusedOps
+from fuel.kernels.threads import step_threads
 from fuel.kernels.torch_kernels import NATIVE_WEIGHT_FORMATS, torch_dtype
 
 ENV = "FUEL_NATIVE_STEPS"
