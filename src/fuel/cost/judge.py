@@ -28,6 +28,10 @@ from fuel.cost.store import JudgeStore, JudgeStoreError, StoredMeasurement
 LookupKey = tuple[str, str, str, str, str]  # (op, dtype, size_class, backend, kernel_source)
 
 
+def _key(row: StoredMeasurement) -> LookupKey:
+    return (row.op, row.dtype, row.size_class, row.backend, row.kernel_source)
+
+
 @dataclass(frozen=True)
 class JudgeOracle:
     """Measured latencies for this machine, keyed by (op, dtype, size_class, backend, source)."""
@@ -46,6 +50,13 @@ class JudgeOracle:
     def __len__(self) -> int:
         return len(self.measurements)
 
+    def with_rows(self, rows: list[StoredMeasurement]) -> JudgeOracle:
+        """This snapshot with ``rows`` (measured here, in this process) over its own."""
+        if not rows:
+            return self
+        return JudgeOracle(MappingProxyType({**self.measurements, **{_key(r): r for r in rows}}),
+                           self.problem)
+
     @classmethod
     def from_rows(
         cls, rows: list[StoredMeasurement], *, fingerprints: Mapping[str, str], libraries: str
@@ -58,7 +69,7 @@ class JudgeOracle:
                 continue
             if fingerprints.get(row.backend) != row.device_fingerprint:
                 continue
-            key = (row.op, row.dtype, row.size_class, row.backend, row.kernel_source)
+            key = _key(row)
             previous = kept.get(key)
             if previous is None or row.median_ns < previous.median_ns:
                 kept[key] = row

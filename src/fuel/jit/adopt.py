@@ -236,14 +236,12 @@ def _confirm_on_one_thread(measure, measured, decomposed):
     decomposition the pool speeds up) is as fast on one thread as on the pool: its loss stands."""
     import torch
 
-    pool = torch.get_num_threads()
-    if pool <= 1:
+    from fuel.kernels.threads import one_thread
+
+    if torch.get_num_threads() <= 1:
         return measured, decomposed, ""
-    torch.set_num_threads(1)
-    try:
+    with one_thread() as pool:
         alone, decomposed_alone = measure()
-    finally:
-        torch.set_num_threads(pool)
     if measured.median_ns <= STALL_FACTOR * alone.median_ns:
         return measured, decomposed, ""
     note = (f" on one thread (on the pool of {pool} it took {measured.median_ns} ns, "

@@ -201,17 +201,10 @@ class JitSession:
         """The Judge snapshot the bake reads (this machine's rows of the store, and the rows
         this session measured on a stalled pool and did not store)."""
         if self._judge is None:
-            from types import MappingProxyType
-
             from fuel.cost.judge import JudgeOracle
 
-            stored = JudgeOracle.load(self.store_path, backends=(self.backend.value,))
-            if self.unstored:
-                here = {(r.op, r.dtype, r.size_class, r.backend, r.kernel_source): r
-                        for r in self.unstored}
-                stored = JudgeOracle(MappingProxyType({**stored.measurements, **here}),
-                                     stored.problem)
-            self._judge = stored
+            self._judge = JudgeOracle.load(self.store_path, backends=(self.backend.value,)
+                                           ).with_rows(self.unstored)
         return self._judge
 
     def measure(self, graph: Graph, branches: Iterable[NodeId], feeds: Mapping[str, Any],
@@ -233,23 +226,19 @@ class JitSession:
                         description=f"Judge: timing {self._names.get(key[0], key[0])} "
                                     f"({index + 1} of {total})")
 
+        from contextlib import nullcontext
+
         import torch
 
-        from fuel.kernels.threads import pool_stalled
+        from fuel.kernels.threads import one_thread, pool_stalled
 
         pool = torch.get_num_threads()
         stalled = pool_stalled(pool)
-        if stalled is not None:
-            torch.set_num_threads(1)
-        try:
-            with current().task("Judge: looking for unmeasured arm cells") as task:
-                rows = measure_branches(graph, branches, feeds, self.table, self.backend,
-                                        weights=weights, runtime=self.registry, known=known,
-                                        profile=self.profile, on_cell=on_cell,
-                                        **self.profile_options)
-        finally:
-            if stalled is not None:
-                torch.set_num_threads(pool)
+        with one_thread() if stalled is not None else nullcontext(), \
+                current().task("Judge: looking for unmeasured arm cells") as task:
+            rows = measure_branches(graph, branches, feeds, self.table, self.backend,
+                                    weights=weights, runtime=self.registry, known=known,
+                                    profile=self.profile, on_cell=on_cell, **self.profile_options)
         if not rows:
             return []
         if stalled is None:

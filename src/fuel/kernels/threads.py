@@ -49,7 +49,11 @@ Invariants:
 from __future__ import annotations
 
 import os
-from typing import Any
+import statistics
+import threading
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 NUMBA_PARALLEL = False
 """Whether synthesized numba kernels may use numba's own thread pool (never: see above)."""
@@ -153,8 +157,6 @@ class StepThreads:
     def __init__(self, pool: int, *, probe_every: int = 64, probe_steps: int = 2,
                  max_interval: int = 512, window: int = 5, stall: float = 2.0,
                  stall_steps: int = 2, after_switch: int = 16):
-        import threading
-
         self.pool = max(1, pool)
         self.current = self.pool
         self.probe_every, self.probe_steps, self.max_interval = probe_every, probe_steps, max_interval
@@ -180,15 +182,11 @@ class StepThreads:
         return self._other if self._probing else self.current
 
     def _window(self, key: Any, count: int):
-        from collections import deque
-
         return self._times.setdefault((key, count), deque(maxlen=self.window))
 
     def record(self, key: Any, threads: int, seconds: float) -> None:
         """Program ``key``'s run took ``seconds`` on ``threads`` threads (the count
         :meth:`threads` gave)."""
-        import statistics
-
         with self._lock:
             self.steps += 1
             if self.pool == 1 or threads not in (1, self.pool):
@@ -219,8 +217,6 @@ class StepThreads:
                 self._probing = self.probe_steps
 
     def _decide(self, key: Any) -> None:
-        import statistics
-
         probed = [seconds for k, seconds in self._probe if k == key]
         mine = self._times.get((key, self.current))
         other = statistics.median(probed)
@@ -277,6 +273,20 @@ def pool_stalled(threads: int, regions: int = 50, clock=None) -> float | None:
     return mean if mean > STALLED_REGION_S else None
 
 
+@contextmanager
+def one_thread() -> Iterator[int]:
+    """The pool shrunk to one thread inside the block, its size given back after (yields the
+    size it had): what the cost gate and the Judge time kernels with on a stalled pool."""
+    import torch
+
+    pool = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield pool
+    finally:
+        torch.set_num_threads(pool)
+
+
 _SHARED: dict[int, StepThreads] = {}
 
 
@@ -289,5 +299,5 @@ def step_threads(pool: int) -> StepThreads:
 
 
 __all__ = ["NUMBA_PARALLEL", "POOL", "SPIN_BUSY", "SPIN_IDLE", "StepThreads", "bound_pool_spin", "current_load",
-           "pool_stalled", "step_threads",
+           "one_thread", "pool_stalled", "step_threads",
            "runnable_from", "set_threads", "spin_count_for"]

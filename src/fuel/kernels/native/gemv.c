@@ -1111,36 +1111,18 @@ static int q8_prepare(int fmt, const float *x, int64_t M, int64_t K, Q8Rows *a) 
 }
 
 #ifdef __AVX2__
-/* A block's 32 weight quants as bytes in natural order: unsigned 0..31 for the nibble formats;
-   q8_0's signed bytes (made unsigned by the caller where VNNI reads them). */
-INLINE __m256i q8_block_bytes(int fmt, const uint8_t *b) {
-    if (fmt == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    const int off = fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 8;
-    const __m128i v = _mm_loadu_si128((const __m128i *)(b + off));
-    __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
-    if (fmt == Q5_0 || fmt == Q5_1) {  /* bit j of qh is element j's fifth bit */
-        const uint32_t qh = rd32(b + (fmt == Q5_0 ? 2 : 4));
-        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-        const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-        __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread), bits);
-        u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(h, bits), _mm256_set1_epi8(16)));
-    }
-    return u;
-}
-
-/* The eight 32-bit lane sums of one block's integer dot (offset included through c). */
-INLINE __m256i q8_block_dot(int fmt, __m256i u, const int8_t *xq, const int32_t *c) {
+/* A q8_0 block's integer dot (its signed weight bytes u against activation bytes xq): eight
+   32-bit lane sums. The VNNI paths read the weights as unsigned (w + 128, an xor) and take
+   128 S_b back through the lanes' start values c; AVX2 alone moves the signs to the
+   activations. (The nibble formats go a pair of blocks a step: q8_pair_bytes, q8_pair_dot.) */
+INLINE __m256i q8_0_block_dot(__m256i u, const int8_t *xq, const int32_t *c) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    const __m256i c0 = q8_offset(fmt) ? _mm256_loadu_si256((const __m256i *)c) : _mm256_setzero_si256();
 #ifdef Q8_VNNI
-    if (fmt == Q8_0) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
-    return DPBUSD256(c0, u, x);
+    return DPBUSD256(_mm256_loadu_si256((const __m256i *)c), _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)), x);
 #else
-    __m256i p;
-    if (fmt == Q8_0) p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u));
-    else p = _mm256_maddubs_epi16(u, x);
-    return _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), c0);
+    (void)c;
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 #endif
 }
 
@@ -1301,7 +1283,7 @@ INLINE void q8_group256(int fmt, const int R, const uint8_t *p, int n, const Q8R
         return;
     }
     __m256i u[4];
-    for (int i = 0; i < n; i++) u[i] = q8_block_bytes(fmt, p + i * bb);
+    for (int i = 0; i < n; i++) u[i] = _mm256_loadu_si256((const __m256i *)(p + i * bb + 2));
     for (int r = 0; r < R; r++) {
         const int64_t at = (r0 + r) * a->G + g;
         const __m256 s = _mm256_mul_ps(dw, _mm256_load_ps(a->dm + at * 8));
@@ -1309,7 +1291,7 @@ INLINE void q8_group256(int fmt, const int R, const uint8_t *p, int n, const Q8R
         const int32_t *c = a->c + at * 32;
         for (int i = 0; i < n; i++) {
             const __m256 si = _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(2 * i));
-            acc[r][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_block_dot(fmt, u[i], xq + 32 * i, c + 8 * i)),
+            acc[r][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_0_block_dot(u[i], xq + 32 * i, c + 8 * i)),
                                             si, acc[r][i & 1]);
         }
     }
