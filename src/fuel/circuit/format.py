@@ -160,7 +160,7 @@ class Format:
         if self.kind is FormatKind.GGUF:
             # Whole blocks per row: a row's tail block is stored complete (llama.cpp requires
             # rows that are a multiple of the block; a partial one would still occupy a block).
-            elements, block_bytes = GGUF_BLOCKS[self.layout]
+            elements, block_bytes = ROW_LAYOUTS[self.layout]
             return rows * _ceil_div(dim, elements) * block_bytes
         if self.kind is FormatKind.INT8:
             return rows * dim + 4 * _scale_count(self.scale, rows, dim)
@@ -212,6 +212,18 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
 ggml-common.h's ``block_q4_0`` ... ``block_q8_K`` and the ``GGML_QUANT_SIZES`` table of the
 ``gguf`` package (``gguf.constants``), which fuel's tests check this against."""
 
+REGROUPED: dict[str, str] = {"q4_1x8": "q4_1"}
+"""fuel's regrouped block layouts → the llama.cpp layout whose bytes they hold. ``q4_1x8``:
+each row's q4_1 blocks eight at a time, the eight f16 ``d`` first (in the lane order
+``0, 2, 4, 6, 1, 3, 5, 7``), then the eight f16 ``m``, then the eight blocks' 16 quant bytes in
+block order; a row's last ``blocks % 8`` blocks as ``d``'s, ``m``'s, quants in block order. The
+same bytes as the file's row, moved (:func:`fuel.kernels.quant_blocks.regroup`), so a row is as
+large and means the same weights; what changes is what a kernel reads with one load: the native
+8-bit-activation kernel reads two blocks' quants, or eight blocks' scales, at once
+(``fuel.kernels.native``, ``gemv.c``). A stored GGUF run holds its Q4_1 tensors this way
+(:func:`fuel.runtime.quant_cache.held_format`). Spelled ``gguf/q4_1x8``: a llama.cpp quantization
+in fuel's arrangement, never a GGUF tensor type."""
+
 HALF_ROWS: dict[str, tuple[int, int]] = {"f16": (1, 2), "bf16": (1, 2)}
 """16-bit float matrices held as packed rows (a bf16/f16 run's matrices, a GGUF's F16/BF16
 ones in ``--dtype stored``): one element per 2-byte "block"."""
@@ -221,7 +233,8 @@ INT8_ROWS: dict[str, tuple[int, int]] = {INT8_CHANNEL_LAYOUT: (1, 1)}
 """Per-channel int8 weights (``int8/channel``) as packed rows: one int8 element per one-byte
 "block", the row's f32 scale as its tail (module docs)."""
 
-ROW_LAYOUTS: dict[str, tuple[int, int]] = {**GGUF_BLOCKS, **HALF_ROWS, **INT8_ROWS}
+ROW_LAYOUTS: dict[str, tuple[int, int]] = {**GGUF_BLOCKS, **{k: GGUF_BLOCKS[v] for k, v in REGROUPED.items()},
+                                             **HALF_ROWS, **INT8_ROWS}
 """Every layout a packed ``[rows, row_bytes]`` weight may have: ``(elements, bytes)`` per block."""
 
 ROW_TAIL_BYTES: dict[str, int] = {INT8_CHANNEL_LAYOUT: 4}
@@ -296,7 +309,7 @@ def parse(name: str) -> Format:
             raise FormatError(f"`{name}`: mxfp4 scales groups of exactly 32 (mxfp4/g32)")
         return Format(FormatKind(head), Scale(ScaleKind.GROUP, group=group))
     if head == "gguf":
-        if tail not in GGUF_BLOCKS:
+        if tail not in GGUF_BLOCKS and tail not in REGROUPED:
             raise FormatError(f"unknown llama.cpp block format in `{name}` (expected one of "
                               f"{', '.join('gguf/' + t for t in GGUF_BLOCKS)})")
         return gguf_format(tail)
@@ -313,8 +326,9 @@ def parse(name: str) -> Format:
 
 
 def gguf_format(layout: str) -> Format:
-    """The format of a llama.cpp block struct (``q4_1``); :class:`FormatError` if unknown."""
-    if layout not in GGUF_BLOCKS:
+    """The format of a llama.cpp block struct (``q4_1``) or of fuel's regrouping of one
+    (``q4_1x8``: :data:`REGROUPED`); :class:`FormatError` if unknown."""
+    if layout not in GGUF_BLOCKS and layout not in REGROUPED:
         raise FormatError(f"unknown llama.cpp block format `{layout}`")
-    return Format(FormatKind.GGUF, Scale(ScaleKind.GGUF_BLOCK, group=GGUF_BLOCKS[layout][0]),
+    return Format(FormatKind.GGUF, Scale(ScaleKind.GGUF_BLOCK, group=ROW_LAYOUTS[layout][0]),
                   layout)

@@ -98,11 +98,19 @@ def q8_error_bound(layout: str, cols: int, x, w):
     # the reference's numpy took ~0.2 s of every adoption of an LM head (49152 rows).
     lib = _native_library()
 
+    from fuel.circuit.format import REGROUPED
+
     lead = tuple(x.shape[:-1])
     rows = x.reshape(-1, cols).double()
     n = w.shape[0]
     if rows.shape[0] > STREAM_ROWS:
         return torch.zeros(*lead, n, dtype=torch.float64)
+    if layout in REGROUPED:  # the same blocks and the same bound: read them in the file's order
+        from fuel.kernels.quant_blocks import regroup
+
+        w = (lib.regroup(layout, w, cols, back=True) if lib is not None
+             else regroup(w, layout, cols, back=True))
+        layout = REGROUPED[layout]
     m, blocks = rows.shape[0], cols // 32
     half_step = (rows.view(m, blocks, 32).abs().amax(-1) / 254.0 * (1 + 2.0 ** -14))  # [M, B]
     reach = rows.abs() + half_step.repeat_interleave(32, -1)                          # [M, K]

@@ -11,7 +11,8 @@ one scale and one offset per 32 consecutive weights of a row, so group size 32 e
 exactly:
 
 - Q4_0 (``d``, 16 bytes of nibbles): ``w = d * (q - 8)`` → ``scale = d``, ``zero = 0``;
-- Q4_1 (``d``, ``m``, nibbles): ``w = d * q + m`` → ``scale = d``, ``zero = m + 8 d``;
+- Q4_1 (``d``, ``m``, nibbles): ``w = d * q + m`` → ``scale = d``, ``zero = m + 8 d`` (a
+  ``q4_1x8`` weight, q4_1's blocks regrouped, is moved back into the file's order first);
 - Q4_K (a 256-weight superblock: ``d``, ``dmin``, eight 6-bit scales ``sc_j`` and mins
   ``m_j`` packed in 12 bytes, 128 bytes of nibbles): sub-block ``j`` (32 weights) is
   ``w = (d sc_j) q - dmin m_j`` → ``scale = d sc_j``, ``zero = 8 d sc_j - dmin m_j``.
@@ -56,9 +57,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fuel.circuit.format import REGROUPED
 from fuel.kernels.held import Converted, HeldConversions, converted_kernel
 
-LAYOUTS = ("q4_0", "q4_1", "q4_k")
+LAYOUTS = ("q4_0", "q4_1", "q4_1x8", "q4_k")
 """The GGUF block layouts the int4pack kernel multiplies exactly (module docs)."""
 
 GROUP = 32
@@ -90,6 +92,10 @@ def nibbles_scales_zeros(packed: Any, layout: str, cols: int):
 
     if layout not in LAYOUTS:
         raise ValueError(f"int4pack multiplies {', '.join(LAYOUTS)}, not gguf/{layout}")
+    if layout in REGROUPED:  # q4_1x8: q4_1's blocks, moved back into the file's order
+        from fuel.kernels.quant_blocks import regroup
+
+        packed, layout = regroup(packed, layout, cols, back=True), REGROUPED[layout]
     rows = packed.shape[0]
     elements, block_bytes = block_shape(layout)
     blocks = packed.contiguous().view(torch.uint8).reshape(rows, cols // elements, block_bytes)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from fuel.circuit.format import (
-    GGUF_BLOCKS, HALF_ROWS, INT8_CHANNEL_LAYOUT, ROW_LAYOUTS, Format, FormatError,
+    GGUF_BLOCKS, HALF_ROWS, INT8_CHANNEL_LAYOUT, REGROUPED, ROW_LAYOUTS, Format, FormatError,
     gguf_format, parse, row_bytes,
 )
 from fuel.errors import FuelError
@@ -49,7 +49,7 @@ HALF_LAYOUTS = HALF_ROWS
 matrices in ``--dtype stored``): one element per 2-byte "block", no scale. Their quantized
 matmul is the native kernel's (f32 accumulation); the dequantize arm widens them to f32."""
 
-KERNEL_LAYOUTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+KERNEL_LAYOUTS = ("q8_0", "q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1")
 """Block layouts with a numba quantized-matmul template (``fuel.jit.quant_gemv``). On CPU the
 native library (``fuel.kernels.native.QUANT_LAYOUTS``: these, the K-quants q4_k/q5_k/q6_k and
 the half layouts) answers first; a layout in neither runs its dequantized arm only."""
@@ -94,13 +94,54 @@ def _qtype(layout: str):
     return GGMLQuantizationType[layout.upper()]
 
 
+def _x8_order(blocks: int):
+    """``order`` with ``grouped[:, j] = file[:, order[j]]`` for a q4_1 row of ``blocks`` blocks
+    and its q4_1x8 form (:data:`fuel.circuit.format.REGROUPED`): per group of eight, the d's at
+    lanes ``k // 2 + 4 (k % 2)``, the m's after them, the quants in block order; a short last
+    group in block order throughout."""
+    import numpy as np
+
+    order = np.empty(blocks * 20, dtype=np.int64)
+    for start in range(0, blocks, 8):
+        n = min(8, blocks - start)
+        base = start * 20
+        for k in range(n):
+            at = k // 2 + 4 * (k % 2) if n == 8 else k
+            block = base + 20 * k
+            order[base + 2 * at:base + 2 * at + 2] = (block, block + 1)
+            order[base + 2 * n + 2 * at:base + 2 * n + 2 * at + 2] = (block + 2, block + 3)
+            order[base + 4 * n + 16 * k:base + 4 * n + 16 * k + 16] = np.arange(block + 4, block + 20)
+    return order
+
+
+def regroup(packed: Any, layout: str, cols: int, *, back: bool = False):
+    """Packed rows ``[..., row_bytes]`` (torch u8) of a regrouped layout (``layout`` is
+    ``q4_1x8``: :data:`fuel.circuit.format.REGROUPED`) from its llama.cpp layout's file order, or
+    back to it (``back=True``): the same bytes, moved within each row. The native library's
+    ``fuel_regroup`` does the same faster; the tests hold the two equal."""
+    import numpy as np
+    import torch
+
+    if layout not in REGROUPED:
+        raise FormatError(f"`{layout}` is not a regrouped layout (those are {', '.join(REGROUPED)})")
+    elements, _ = block_shape(layout)
+    order = _x8_order(cols // elements)
+    if back:
+        order = np.argsort(order)
+    rows = packed.reshape(-1, packed.shape[-1]).contiguous().numpy()
+    return torch.from_numpy(np.ascontiguousarray(rows[:, order])).reshape(packed.shape)
+
+
 def dequantize(packed: Any, layout: str, cols: int):
     """f32 ``[..., cols]`` values of packed rows ``[..., row_bytes]`` (torch u8 in, torch out),
-    by the ``gguf`` package's reference dequantizer."""
+    by the ``gguf`` package's reference dequantizer (a regrouped layout's rows moved back to its
+    llama.cpp layout first)."""
     import numpy as np
     import torch
     from gguf import quants
 
+    if layout in REGROUPED:
+        return dequantize(regroup(packed, layout, cols, back=True), REGROUPED[layout], cols)
     lead = tuple(packed.shape[:-1])
     if layout in HALF_LAYOUTS:
         half = torch.float16 if layout == "f16" else torch.bfloat16
@@ -180,6 +221,8 @@ def random_blocks(layout: str, rows: int, cols: int, generator: Any):
         q = torch.randint(-128, 128, (rows, cols), generator=generator, dtype=torch.int8)
         scale = torch.empty(rows, dtype=torch.float32).uniform_(0.0002, 0.002, generator=generator)
         return pack_int8_channel(q, scale)
+    if layout in REGROUPED:  # the llama.cpp layout's valid blocks, moved
+        return regroup(random_blocks(REGROUPED[layout], rows, cols, generator), layout, cols)
     if layout not in _F16_FIELDS:
         raise FormatError(f"gguf/{layout} is not a weight format with f16 scales")
     blocks = rows * (cols // elements)
@@ -200,10 +243,14 @@ def random_blocks(layout: str, rows: int, cols: int, generator: Any):
 
 def quantize_reference(values: Any, layout: str):
     """Packed rows of f32 ``[rows, cols]`` values by the ``gguf`` package's quantizer (it has
-    quantizers for the 32-element formats, not the K-quants)."""
+    quantizers for the 32-element formats, not the K-quants; a regrouped layout: its llama.cpp
+    layout's rows, moved)."""
     import numpy as np
     import torch
     from gguf import quants
+
+    if layout in REGROUPED:
+        return regroup(quantize_reference(values, REGROUPED[layout]), layout, values.shape[-1])
 
     packed = quants.quantize(values.float().contiguous().numpy(), _qtype(layout))
     return torch.from_numpy(np.ascontiguousarray(packed, dtype=np.uint8))
@@ -212,4 +259,4 @@ def quantize_reference(values: Any, layout: str):
 __all__ = ["GGUF_TYPES", "HALF_LAYOUTS", "KERNEL_LAYOUTS", "PLAIN_GGUF_TYPES", "UnsupportedTensorType",
            "block_shape", "dequantize", "format_of_gguf_type", "gguf_format", "int8_channel_parts",
            "pack_int8_channel", "packed_row_bytes", "quantize_int8_channel", "quantize_reference",
-           "random_blocks"]
+           "random_blocks", "regroup"]

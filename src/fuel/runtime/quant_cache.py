@@ -11,7 +11,9 @@ and loaded from there.
 Invariants:
 - Same packed bytes as the file, reordered only where llama.cpp's converter permuted rows (Q and
   K projections: :func:`~fuel.runtime.gguf_loader.unpermute_rotary_rows` moves whole rows, so a
-  block never straddles it), so dequantizing a packed row equals the f32 conversion's row.
+  block never straddles it) and, within each row, where a format is held regrouped
+  (:func:`held_format`: Q4_1 as ``gguf/q4_1x8``, the native decode kernel's layout), so
+  dequantizing a packed row equals the f32 conversion's row.
 - The cache folder's name carries the SHA-256 of the GGUF bytes and :data:`STORED_VERSION`; it
   is written into a staging folder and renamed into place (an interrupted conversion leaves
   nothing; two converters end with one complete folder).
@@ -30,8 +32,21 @@ from typing import Any
 from fuel.progress import Listener, Task
 from fuel.runtime.gguf_loader import CorruptWeightsFile, UnsupportedGguf, WeightsFileMissing
 
-STORED_VERSION = 1
-"""Bump when the stored folder's content would change for the same GGUF bytes."""
+STORED_VERSION = 2
+"""Bump when the stored folder's content would change for the same GGUF bytes (2: Q4_1 held
+regrouped, ``gguf/q4_1x8``)."""
+
+HELD_REGROUPED = {"gguf/q4_1": "gguf/q4_1x8"}
+"""File formats a stored run holds in fuel's regrouped layout (:data:`fuel.circuit.format.REGROUPED`).
+Why Q4_1 (SmolLM2's file): its 8-bit-activation decode kernel streams SmolLM2's 120 q4_1
+products 0.84x the time regrouped (``benchmarks/bench_run.py --stored`` measures the whole
+decode); the other formats keep the file's order."""
+
+
+def held_format(file_format: str) -> str:
+    """The format a stored run holds a tensor of ``file_format`` in (``gguf/q4_1`` ->
+    ``gguf/q4_1x8``; every other format as the file stores it)."""
+    return HELD_REGROUPED.get(file_format, file_format)
 
 _FORMATS_KEY = "fuel.formats"
 
@@ -63,7 +78,8 @@ def packed_tensors(model: Any, task: Task | None = None) -> tuple[dict[str, Any]
     import torch
     from gguf import quants
 
-    from fuel.kernels.quant_blocks import PLAIN_GGUF_TYPES, UnsupportedTensorType, format_of_gguf_type
+    from fuel.circuit.format import row_layout
+    from fuel.kernels.quant_blocks import PLAIN_GGUF_TYPES, UnsupportedTensorType, format_of_gguf_type, regroup
     from fuel.runtime.gguf_loader import hf_tensor_name, unpermute_rotary_rows
 
     heads = model.required_int("attention.head_count")
@@ -85,12 +101,14 @@ def packed_tensors(model: Any, task: Task | None = None) -> tuple[dict[str, Any]
             array = array.reshape(logical)
         else:
             array = np.array(tensor.data, dtype=np.uint8).reshape(logical[0] if len(logical) > 1 else 1, -1)
-            formats[name] = fmt.name()
+            formats[name] = held_format(fmt.name())
         if ".self_attn.q_proj." in name:
             array = unpermute_rotary_rows(array, heads)
         elif ".self_attn.k_proj." in name:
             array = unpermute_rotary_rows(array, kv_heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+        if name in formats and formats[name] != fmt.name():
+            tensors[name] = regroup(tensors[name], row_layout(formats[name]), logical[-1])
         if task is not None:
             task.advance()
     return tensors, formats
@@ -252,7 +270,7 @@ def planned_weights(path: str | Path) -> PlannedWeights:
             shapes[name] = logical
         else:
             shapes[name] = tuple(int(d) for d in tensor.data.shape)
-            formats[name] = fmt.name()
+            formats[name] = held_format(fmt.name())
     aliases = {} if "lm_head.weight" in shapes else {"lm_head.weight": "model.embed_tokens.weight"}
     return PlannedWeights(shapes, formats, aliases)
 
@@ -284,5 +302,5 @@ def decode_traffic(weights: Any, spec: Any = None) -> dict[str, Any]:
     }
 
 
-__all__ = ["PlannedWeights", "STORED_VERSION", "decode_traffic", "planned_weights", "stored_formats", "convert_gguf_stored", "load_stored", "logical_shape",
+__all__ = ["HELD_REGROUPED", "PlannedWeights", "STORED_VERSION", "decode_traffic", "held_format", "planned_weights", "stored_formats", "convert_gguf_stored", "load_stored", "logical_shape",
            "packed_tensors", "resident_bytes", "stored_folder", "weight_formats"]

@@ -59,12 +59,13 @@ SOURCES = (SOURCE, Path(__file__).with_name("rows.c"), Path(__file__).with_name(
 FORMAT_CODES: dict[str, int] = {
     "f32": 0, "f16": 1, "bf16": 2, "int8_channel": 3,
     "q4_0": 10, "q4_1": 11, "q5_0": 12, "q5_1": 13, "q8_0": 14,
-    "q4_k": 15, "q5_k": 16, "q6_k": 17,
+    "q4_k": 15, "q5_k": 16, "q6_k": 17, "q4_1x8": 18,
 }
 """The weight formats the library multiplies (GGUF block layouts by their llama.cpp names;
-``int8_channel``: per-channel int8 rows, :data:`fuel.circuit.format.INT8_ROWS`)."""
+``int8_channel``: per-channel int8 rows, :data:`fuel.circuit.format.INT8_ROWS`; ``q4_1x8``:
+q4_1's blocks regrouped by eight, :data:`fuel.circuit.format.REGROUPED`)."""
 
-QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
+QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
                            "f16", "bf16", "int8_channel"})
 """The packed layouts a ``quant_linear`` region may carry that the library multiplies (GGUF
 blocks, 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``, and
@@ -74,7 +75,7 @@ KV_CODES: dict[str, int] = {"torch.float32": 0, "torch.float16": 1, "torch.bfloa
 """KV cache element dtypes the library reads and writes (a torch dtype's ``str``) and their
 format codes (gemv.c's F32, F16, BF16)."""
 
-Q8_FORMATS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"})
+Q8_FORMATS = frozenset({"q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0"})
 """The formats with an 8-bit-activation decode kernel (``matmul(..., activations="q8")``)."""
 
 STREAM_ROWS = 4
@@ -143,6 +144,9 @@ class NativeKernels:
         lib.fuel_run_steps.restype = ctypes.c_int
         lib.fuel_pool_threads.argtypes = [ctypes.c_int]
         lib.fuel_pool_threads.restype = ctypes.c_int
+        lib.fuel_regroup.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_int]
+        lib.fuel_regroup.restype = ctypes.c_int
         self._call = lib.fuel_matmul
 
     def rope(self, x: Any, cos: Any, sin: Any) -> Any | None:
@@ -307,6 +311,23 @@ class NativeKernels:
                 rows.shape[1], threads) != 0:
             return None
         return out.reshape(*lead, cols)
+
+    def regroup(self, layout: str, packed: Any, cols: int, *, back: bool = False) -> Any:
+        """Packed rows ``[rows, row_bytes]`` (u8) of ``layout``'s file order moved into its
+        regrouped layout (``q4_1`` -> ``q4_1x8``: :data:`fuel.circuit.format.REGROUPED`), or
+        back (``back=True``): a new tensor, the same bytes reordered within each row."""
+        import torch
+
+        from fuel.circuit.format import REGROUPED
+
+        grouped = layout if back else next(k for k, v in REGROUPED.items() if v == layout)
+        rows = packed.contiguous()
+        out = torch.empty_like(rows)
+        if rows.shape[0] and self._lib.fuel_regroup(
+                FORMAT_CODES[grouped], rows.data_ptr(), out.data_ptr(), rows.shape[0], cols,
+                0 if back else 1) != 0:
+            raise ValueError(f"{layout} rows of {cols} weights cannot be regrouped")
+        return out
 
     @property
     def run_steps(self):

@@ -16,6 +16,15 @@
        q8_0: f16 d, 32 int8                      w = d * q
      nibble j (0..15) of a block is its byte j's low half, element 16 + j the high half; the
      fifth bit of element j is bit j of the u32.
+   - q4_1x8: q4_1's blocks regrouped within each row (fuel's own layout, the same bytes moved;
+     fuel_regroup converts): every group of eight blocks is 160 bytes, the eight f16 d first,
+     then the eight f16 m, then the eight blocks' 16 quant bytes one after another; the scales
+     sit in the lane order a horizontal-add tree leaves eight block sums in (X8_LANE: blocks 0,
+     2, 4, 6, 1, 3, 5, 7). A row's last B % 8 blocks (t of them) are d[t], m[t], then their
+     quants, in block order. Why: the 8-bit-activation kernel then reads two blocks' quants with
+     one load, eight blocks' scales with one conversion, and scales eight block sums with one
+     multiply-add (q8x8_dot_rows); the row and its bytes are q4_1's, so a row is exactly as
+     large and dequantizes to the same values.
    - GGUF K-quant super-blocks of 256 weights, eight sub-blocks of 32 (llama.cpp's block_q4_K,
      block_q5_K, block_q6_K, read as is):
        q4_k (144 bytes): f16 d, f16 dmin, scales[12], qs[128]
@@ -82,7 +91,7 @@
     } while (0)
 
 enum { F32 = 0, F16 = 1, BF16 = 2, I8C = 3, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14,
-       Q4_K = 15, Q5_K = 16, Q6_K = 17 };
+       Q4_K = 15, Q5_K = 16, Q6_K = 17, Q4_1X8 = 18 };
 
 static inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -124,7 +133,7 @@ INLINE float dense_weight(int fmt, const uint8_t *p, int64_t j) {
 
 INLINE int block_bytes(int fmt) {
     switch (fmt) {
-    case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
+    case Q4_0: return 18; case Q4_1: case Q4_1X8: return 20; case Q5_0: return 22; case Q5_1: return 24;
     case Q8_0: return 34; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
     default: return 0;
     }
@@ -132,6 +141,25 @@ INLINE int block_bytes(int fmt) {
 
 /* Weights per block: 256 for the K-quant super-blocks, 32 for the other block formats. */
 INLINE int block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? 256 : 32; }
+
+/* q4_1x8 (see the top): the lane of block k (0..7) of a group, and one row moved between the
+   file's order and the regrouped one (to_x8: q4_1 -> q4_1x8, else back), B blocks. */
+enum { X8_GROUP = 160 };
+INLINE int x8_lane(int k) { return k / 2 + 4 * (k % 2); }
+static __attribute__((unused)) void x8_row(const uint8_t *src, uint8_t *dst, int64_t B, int to_x8) {
+    for (int64_t g = 0; g < B; g += 8) {
+        const int n = B - g < 8 ? (int)(B - g) : 8;
+        uint8_t *grouped = (uint8_t *)(to_x8 ? dst : src) + g * 20;
+        uint8_t *file = (uint8_t *)(to_x8 ? src : dst) + g * 20;
+        for (int k = 0; k < n; k++) {
+            const int at = n == 8 ? x8_lane(k) : k;  /* a short last group: block order */
+            uint8_t *d = grouped + 2 * at, *m = grouped + 2 * n + 2 * at, *q = grouped + 4 * n + 16 * k;
+            uint8_t *b = file + 20 * k;
+            if (to_x8) { memcpy(d, b, 2); memcpy(m, b + 2, 2); memcpy(q, b + 4, 16); }
+            else { memcpy(b, d, 2); memcpy(b + 2, m, 2); memcpy(b + 4, q, 16); }
+        }
+    }
+}
 
 /* The 32 quants of a block as small integers q (before scale/offset), and the block's scale d
    and offset m such that w = d * q + m. */
@@ -813,8 +841,35 @@ void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, con
     case Q4_K: tile_rows(Q4_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case Q5_K: tile_rows(Q5_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case Q6_K: tile_rows(Q6_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
+    case Q4_1X8: {  /* f32 activations: a few rows at a time back in q4_1's order (this path is
+                       the f32 oracle and FUEL_Q8_ACTIVATIONS=0; decode reads q8x8_dot_rows) */
+        enum { PART = 4 };
+        uint8_t *rows = (uint8_t *)malloc((size_t)(PART * row_bytes));
+        if (!rows) {  /* no memory for four rows: NaN, never a silently wrong number */
+            for (int64_t m = 0; m < M; m++) for (int64_t n = n0; n < n1; n++) out[m * N + n] = NAN;
+            break;
+        }
+        for (int64_t a = n0; a < n1; a += PART) {
+            const int64_t b = a + PART < n1 ? a + PART : n1;
+            for (int64_t n = a; n < b; n++) x8_row(w + n * row_bytes, rows + (n - a) * row_bytes, K / 32, 0);
+            tile_rows(Q4_1, x, rows, out + a, xs, M, N, K, row_bytes, 0, b - a);
+        }
+        free(rows);
+        break;
+    }
     default: tile_rows(Q8_0, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     }
+}
+
+/* Packed rows between q4_1's file order and q4_1x8 (to_x8 1: into q4_1x8; 0: back): N rows of
+   K weights, row_bytes = K / 32 * 20 each, src and dst apart. Returns 0, or -1 for another
+   format or a K that splits a block. */
+int fuel_regroup(int fmt, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K, int to_x8) {
+    if (fmt != Q4_1X8 || K % 32 || K <= 0) return -1;
+    const int64_t rb = K / 32 * 20;
+    #pragma omp parallel for schedule(static) if (N * rb >= (1 << 20))
+    for (int64_t n = 0; n < N; n++) x8_row(src + n * rb, dst + n * rb, K / 32, to_x8);
+    return 0;
 }
 
 /* Weight rows a scheduling unit (the tiles every product here is split into). */
@@ -1065,25 +1120,30 @@ static void q8_quantize_block(const float *x, int8_t q[32], float *d, int32_t *s
    dm [r*G*8 ..]: per group [d0 d0 d1 d1 d2 d2 d3 d3] (against the group's [d_w m_w] pairs);
    sm: [0 S0 0 S1 0 S2 0 S3] as f32 (the m_w term);
    c [r*G*32 ..]: the 32-bit lanes' start values, in the lane order of the step reading them:
-   natural order 8 lanes a block (-(o/8) S_b each), Q8_QUAD 4 lanes a block (-(o/4) S_b). */
+   natural order 8 lanes a block (-(o/8) S_b each), Q8_QUAD 4 lanes a block (-(o/4) S_b);
+   d8, s8 [r*G8*8 + x8_lane(b % 8)]: d_b and d_b S_b per group of eight blocks (G8 = ceil(B/8)),
+   in q4_1x8's lane order (zeros past B), against its eight d_w and eight m_w. */
 typedef struct {
-    int8_t *q; float *d; int32_t *s; float *dm; float *sm; int32_t *c;
-    int64_t K, B, G;
+    int8_t *q; float *d; int32_t *s; float *dm; float *sm; int32_t *c; float *d8; float *s8;
+    int64_t K, B, G, G8;
     void *mem;
 } Q8Rows;
 
 static int q8_prepare(int fmt, const float *x, int64_t M, int64_t K, Q8Rows *a) {
-    const int64_t B = K / 32, G = (B + 3) / 4;
+    const int64_t B = K / 32, G = (B + 3) / 4, G8 = (B + 7) / 8;
     const size_t bytes = sizeof(int32_t) * (size_t)(M * G * 32) + sizeof(float) * (size_t)(M * G * 16)
+                       + sizeof(float) * (size_t)(M * G8 * 16)
                        + sizeof(float) * (size_t)(M * B) * 2 + (size_t)(M * G * 128) + 64;
     uint8_t *mem = (uint8_t *)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!mem) return -1;
     memset(mem, 0, bytes);
-    a->mem = mem; a->K = K; a->B = B; a->G = G;
+    a->mem = mem; a->K = K; a->B = B; a->G = G; a->G8 = G8;
     a->c = (int32_t *)mem;
     a->dm = (float *)(a->c + M * G * 32);
     a->sm = a->dm + M * G * 8;
-    a->q = (int8_t *)(a->sm + M * G * 8);
+    a->d8 = a->sm + M * G * 8;
+    a->s8 = a->d8 + M * G8 * 8;
+    a->q = (int8_t *)(a->s8 + M * G8 * 8);
     a->d = (float *)(a->q + M * G * 128);
     a->s = (int32_t *)(a->d + M * B);
     const int o = q8_offset(fmt), quad = q8_quad(fmt);
@@ -1096,6 +1156,8 @@ static int q8_prepare(int fmt, const float *x, int64_t M, int64_t K, Q8Rows *a) 
             q8_quantize_block(x + r * K + b * 32, t, dr + b, sr + b);
             dm[2 * b] = dm[2 * b + 1] = dr[b];
             sm[2 * b + 1] = (float)sr[b];
+            a->d8[r * G8 * 8 + (b / 8) * 8 + x8_lane((int)(b % 8))] = dr[b];
+            a->s8[r * G8 * 8 + (b / 8) * 8 + x8_lane((int)(b % 8))] = dr[b] * (float)sr[b];
             if (quad) {
                 const int64_t g = b / 4, i = b % 4;
                 memcpy(qr + g * 128 + 16 * i, t, 16);
@@ -1297,6 +1359,87 @@ INLINE void q8_group256(int fmt, const int R, const uint8_t *p, int n, const Q8R
     }
 }
 
+/* q4_1x8's short last group of t (1..7) blocks: pshufb indices that move its t f16 scales (in
+   block order) into the eight lanes' order, zeros in the lanes past t. */
+static const int8_t X8_TAIL[8][16] __attribute__((aligned(16))) = {
+    {-128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128},
+    {0, 1, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128},
+    {0, 1, -128, -128, -128, -128, -128, -128, 2, 3, -128, -128, -128, -128, -128, -128},
+    {0, 1, 4, 5, -128, -128, -128, -128, 2, 3, -128, -128, -128, -128, -128, -128},
+    {0, 1, 4, 5, -128, -128, -128, -128, 2, 3, 6, 7, -128, -128, -128, -128},
+    {0, 1, 4, 5, 8, 9, -128, -128, 2, 3, 6, 7, -128, -128, -128, -128},
+    {0, 1, 4, 5, 8, 9, -128, -128, 2, 3, 6, 7, 10, 11, -128, -128},
+    {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, -128, -128}
+};
+
+/* A q4_1x8 group of t blocks' 8-bit dots: pair j (blocks 2j, 2j + 1: 32 quant bytes from `q`,
+   block 2j + 1 absent where 2j + 1 == t) against the group's activations (pair j's bytes at
+   x + 128 (j / 2) + 32 (j % 2) and 64 bytes on: two Q8_QUAD groups), the eight block sums in
+   x8_lane order after three horizontal adds. */
+INLINE __m256i x8_sums(const uint8_t *q, const int t, const int8_t *x) {
+    __m256i d[4];
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        if (2 * j >= t) { d[j] = _mm256_setzero_si256(); continue; }
+        const __m256i v = 2 * j + 1 < t ? _mm256_loadu_si256((const __m256i *)(q + 32 * j))
+                                        : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(q + 32 * j)));
+        const __m256i w = 2 * j + 1 < t ? v : _mm256_inserti128_si256(v, _mm_setzero_si128(), 1);
+        const int8_t *xj = x + 128 * (j / 2) + 32 * (j % 2);
+        d[j] = q8_pair_dot(_mm256_and_si256(w, m4), _mm256_and_si256(_mm256_srli_epi16(w, 4), m4),
+                           _mm256_load_si256((const __m256i *)xj), _mm256_load_si256((const __m256i *)(xj + 64)),
+                           _mm256_setzero_si256());
+    }
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+}
+
+/* How far ahead of the group it multiplies q8x8_dot_rows asks for weights (software prefetch
+   into L1, three lines a 160-byte group). Unlike the q4_1 kernel (whose heavier arithmetic hid
+   nothing more with it), this one streams faster with it: SmolLM2's 120 decode q4_1 products
+   regrouped, 2 threads, from memory, 30 interleaved passes: none 4.72 ms, 2 KiB 4.00 ms, 4 KiB
+   4.00 ms (the q4_1 kernel: 4.78 ms; with 2-8 KiB ahead 4.14-4.23 against 4.10). */
+#ifndef X8_AHEAD
+#define X8_AHEAD 4096
+#endif
+
+/* R (1..4) outputs of one q4_1x8 weight row against quantized activation rows r0 .. r0+R-1
+   (out[r * N]): per group of eight blocks, four 32-byte quant loads shared by the R rows, the
+   eight d_w and m_w converted once, eight block sums scaled by one multiply-add and the m_w term
+   by another. The same integer dots as the q4_1 kernel; only the f32 order of the sums differs. */
+INLINE void q8x8_dot_rows(int fmt, const int R, const uint8_t *row, const Q8Rows *a, int64_t r0,
+                          float *out, int64_t N) {
+    (void)fmt;  /* Q4_1X8 (WITH_ROWS passes it) */
+    const int64_t B = a->B, full = B / 8;
+    const int t = (int)(B % 8);
+    __m256 acc[4], bias[4];
+    for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm256_setzero_ps();
+    const uint8_t *o = row;
+    for (int64_t g = 0; g <= full; g++) {
+        const int n = g < full ? 8 : t;
+        if (!n) break;
+        __m256 dw, mw;
+        if (n == 8) {
+            _mm_prefetch((const char *)o + X8_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)o + X8_AHEAD + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)o + X8_AHEAD + 128, _MM_HINT_T0);
+            dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+            mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
+        } else {  /* 20 t >= 16 + 2 t bytes: both loads stay inside the row */
+            const __m128i lanes = _mm_load_si128((const __m128i *)X8_TAIL[n]);
+            dw = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)o), lanes));
+            mw = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(o + 2 * n)), lanes));
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (r0 + r) * a->G8 + g;
+            const __m256i sums = n == 8 ? x8_sums(o + 32, 8, a->q + ((r0 + r) * a->G + 2 * g) * 128)
+                                        : x8_sums(o + 4 * n, n, a->q + ((r0 + r) * a->G + 2 * g) * 128);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_load_ps(a->d8 + at * 8)), acc[r]);
+            bias[r] = _mm256_fmadd_ps(mw, _mm256_load_ps(a->s8 + at * 8), bias[r]);
+        }
+        o += X8_GROUP;
+    }
+    for (int r = 0; r < R; r++) out[r * N] = hsum(_mm256_add_ps(acc[r], bias[r]));
+}
+
 /* R (1..4) outputs of one weight row against quantized activation rows r0 .. r0+R-1 (written
    to out[r * N]). */
 INLINE void q8_dot_rows(int fmt, const int R, const uint8_t *row, const Q8Rows *a, int64_t r0,
@@ -1428,6 +1571,23 @@ INLINE void q8_dot_4w(int fmt, const uint8_t *w, int64_t row_bytes, const Q8Rows
 
 INLINE void q8_tile(const int fmt, const uint8_t *w, float *out, const Q8Rows *a, int64_t M,
                     int64_t N, int64_t row_bytes, int64_t n0, int64_t n1) {
+    if (fmt == Q4_1X8) {
+#ifdef __AVX2__
+        for (int64_t m = 0; m < M; m += 4) {
+            const int R = M - m < 4 ? (int)(M - m) : 4;
+            for (int64_t n = n0; n < n1; n++)
+                WITH_ROWS(R, q8x8_dot_rows, Q4_1X8, w + n * row_bytes, a, m, out + m * N + n, N);
+        }
+#else
+        uint8_t *file = (uint8_t *)malloc((size_t)row_bytes);
+        for (int64_t n = n0; n < n1; n++) {
+            if (file) x8_row(w + n * row_bytes, file, a->B, 0);
+            for (int64_t m = 0; m < M; m++) out[m * N + n] = file ? q8_dot_portable(Q4_1, file, a, m) : NAN;
+        }
+        free(file);
+#endif
+        return;
+    }
 #ifdef Q8_512
     if (M == 1) {  /* decode: four weight rows at a time */
         int64_t n = n0;
@@ -1456,7 +1616,7 @@ INLINE void q8_tile(const int fmt, const uint8_t *w, float *out, const Q8Rows *a
 /* The activation rows fuel_matmul_q8 rounds (its first half), for the fused steps: NULL for a
    format or width it cannot run (or no memory); fuel_q8_release frees them. */
 void *fuel_q8_prepare(int fmt, const float *x, int64_t M, int64_t K) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0) return NULL;
+    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0 && fmt != Q4_1X8) return NULL;
     if (K % 32 || K <= 0) return NULL;
     Q8Rows *a = (Q8Rows *)malloc(sizeof(Q8Rows));
     if (!a) return NULL;
@@ -1477,13 +1637,14 @@ void fuel_matmul_q8_rows(int fmt, const uint8_t *w, float *out, const void *rows
     case Q4_1: q8_tile(Q4_1, w, out, a, M, N, row_bytes, n0, n1); break;
     case Q5_0: q8_tile(Q5_0, w, out, a, M, N, row_bytes, n0, n1); break;
     case Q5_1: q8_tile(Q5_1, w, out, a, M, N, row_bytes, n0, n1); break;
+    case Q4_1X8: q8_tile(Q4_1X8, w, out, a, M, N, row_bytes, n0, n1); break;
     default: q8_tile(Q8_0, w, out, a, M, N, row_bytes, n0, n1); break;
     }
 }
 
 int fuel_matmul_q8(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
                    int64_t K, int64_t row_bytes, int threads) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0) return -1;
+    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0 && fmt != Q4_1X8) return -1;
     if (K % 32 || K <= 0) return -1;
     Q8Rows a;
     if (q8_prepare(fmt, x, M, K, &a)) return -1;
@@ -1533,6 +1694,27 @@ int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K,
     DEQ(F32) DEQ(F16) DEQ(BF16) DEQ(I8C) DEQ(Q4_0) DEQ(Q4_1) DEQ(Q5_0) DEQ(Q5_1) DEQ(Q8_0)
     DEQ(Q4_K) DEQ(Q5_K) DEQ(Q6_K)
 #undef DEQ
+    case Q4_1X8: {  /* each row back in q4_1's order, then q4_1's */
+        int failed = 0;
+        _Pragma("omp parallel num_threads(threads) if (parallel)")
+        {
+            uint8_t *file = (uint8_t *)malloc((size_t)row_bytes);
+            if (!file) {
+                _Pragma("omp atomic write")
+                failed = 1;
+            }
+            _Pragma("omp for schedule(static)")
+            for (int64_t n = 0; n < N; n++) {
+                if (!file) continue;
+                x8_row(w + n * row_bytes, file, K / 32, 0);
+                dequant_row(Q4_1, file, K, dst + n * K);
+            }
+            free(file);
+        }
+        if (failed) return -1;
+        break;
+    }
+    default: return -1;
     }
     return 0;
 }
