@@ -22,15 +22,16 @@ from fuel.graph.dtype import DType
 from fuel.jit.adopt import verify
 from fuel.jit.native_synth import q8_error_bound
 from fuel.kernels import RECIPE_TOLERANCE, native
+from fuel.circuit.format import REGROUPED
 from fuel.kernels.quant_blocks import dequantize, random_blocks, regroup
 
 TOLERANCE = RECIPE_TOLERANCE[DType.F32]
-FORMATS = ("q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0")
+FORMATS = ("q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0", "q8_0x8")
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
 COLS = (32, 96, 160, 192, 224, 512, 576, 1568)
 """K/32 = 1, 3, 5, 6, 7, 16, 18, 49: one block, a partial group alone, and groups of four
 followed by 0, 1, 2 and 3 blocks; for q4_1x8 (groups of eight) a short group alone of 1, 3, 5,
-6 and 7 blocks, and full groups followed by 0, 2 (SmolLM2's 576) and 1 blocks."""
+6 and 7 blocks, and full groups followed by 0, 2 (SmolLM2's 576) and 1 blocks (q8_0x8 alike)."""
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def lib(native_lib):
 def exact_weights(w: torch.Tensor, layout: str, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights d*q + m of packed rows in f64, computed exactly from the bytes (not through the
     f32 dequantizer), and each block's offset magnitude |o| as the kernel's integer path sees it."""
-    if layout == "q4_1x8":  # q4_1's blocks, moved: the same weights
-        return exact_weights(regroup(w, layout, cols, back=True), "q4_1", cols)
+    if layout in REGROUPED:  # the file layout's blocks, moved: the same weights
+        return exact_weights(regroup(w, layout, cols, back=True), REGROUPED[layout], cols)
     n, blocks = w.shape[0], cols // 32
     b = w.contiguous().view(torch.uint8).reshape(n, blocks, BLOCK_BYTES[layout]).long()
     half = lambda lo: (b[..., lo] | (b[..., lo + 1] << 8)).to(torch.int16).view(torch.float16).double()  # noqa: E731
@@ -195,30 +196,33 @@ def test_every_build_is_the_exact_integer_product(tmp_path, isa):
                 check_against_exact(variant, layout, rows, cols, 21, seed=cols * rows)
 
 
+@pytest.mark.parametrize("layout", sorted(REGROUPED))
 @pytest.mark.parametrize("cols", (32, 96, 224, 256, 288, 416, 576, 800, 1536))
-def test_q4_1x8_computes_what_q4_1_computes_from_the_same_blocks(lib, cols):
-    """q4_1x8 holds q4_1's bytes regrouped (scales apart from quants, eight blocks a group): the
-    native regrouping is the reference one both ways; dequantized and with f32 activations it is
-    q4_1 bit for bit (the same arithmetic on the same blocks); with 8-bit activations the same
-    exact integer dots summed in another f32 order, so within the reassociation of B + 10
-    roundings. K/32 = 1 .. 49: short last groups of every size and full groups with none."""
+def test_a_regrouped_layout_computes_what_its_file_layout_computes_from_the_same_blocks(lib, layout, cols):
+    """q4_1x8 / q8_0x8 hold q4_1's / q8_0's bytes regrouped (scales apart from quants, eight
+    blocks a group): the native regrouping is the reference one both ways; dequantized and with
+    f32 activations it is the file layout bit for bit (the same arithmetic on the same blocks);
+    with 8-bit activations the same exact integer dots summed in another f32 order, so within
+    the reassociation of B + 10 roundings. K/32 = 1 .. 49: short last groups of every size and
+    full groups with none."""
+    source = REGROUPED[layout]
     generator = torch.Generator().manual_seed(cols)
-    file_rows = random_blocks("q4_1", 29, cols, generator)
-    grouped = regroup(file_rows, "q4_1x8", cols)
-    assert torch.equal(lib.regroup("q4_1", file_rows, cols), grouped)
-    assert torch.equal(lib.regroup("q4_1x8", grouped, cols, back=True), file_rows)
-    if cols > 64:
+    file_rows = random_blocks(source, 29, cols, generator)
+    grouped = regroup(file_rows, layout, cols)
+    assert torch.equal(lib.regroup(source, file_rows, cols), grouped)
+    assert torch.equal(lib.regroup(layout, grouped, cols, back=True), file_rows)
+    if cols > 32:
         assert not torch.equal(grouped, file_rows)
-    assert torch.equal(lib.dequantize("q4_1x8", grouped, cols), dequantize(file_rows, "q4_1", cols))
-    assert torch.equal(dequantize(grouped, "q4_1x8", cols), dequantize(file_rows, "q4_1", cols))
+    assert torch.equal(lib.dequantize(layout, grouped, cols), dequantize(file_rows, source, cols))
+    assert torch.equal(dequantize(grouped, layout, cols), dequantize(file_rows, source, cols))
     for rows in (1, 2, 3, 4, 6):
         x = torch.randn(rows, cols, generator=generator)
-        assert torch.equal(lib.matmul("q4_1x8", x, grouped, cols), lib.matmul("q4_1", x, file_rows, cols))
+        assert torch.equal(lib.matmul(layout, x, grouped, cols), lib.matmul(source, x, file_rows, cols))
         if rows <= native.STREAM_ROWS:
-            got = lib.matmul("q4_1x8", x, grouped, cols, activations="q8").double()
-            want = lib.matmul("q4_1", x, file_rows, cols, activations="q8").double()
+            got = lib.matmul(layout, x, grouped, cols, activations="q8").double()
+            want = lib.matmul(source, x, file_rows, cols, activations="q8").double()
             q, d = lib.quantize_q8(x)
-            weights, offset = exact_weights(file_rows, "q4_1", cols)
+            weights, offset = exact_weights(file_rows, source, cols)
             xhat = (q.double().view(rows, -1, 32) * d.double()[..., None]).view(rows, cols)
             units = 2 * (cols // 32 + 10) * 2.0 ** -24  # both kernels' roundings
             allowed = units * (xhat.abs() @ (weights.abs() + 2 * offset.repeat_interleave(32, -1)).T)

@@ -60,18 +60,19 @@ def dequantized(quant_gguf, cache):
 def test_block_tensors_stay_packed_with_their_formats(stored):
     assert stored.dtype is DType.STORED
     assert stored.format_of("model.layers.0.self_attn.q_proj.weight") == "gguf/q4_1x8"  # regrouped
-    assert stored.format_of("lm_head.weight") == "gguf/q8_0"  # the tied alias resolves
+    assert stored.format_of("lm_head.weight") == "gguf/q8_0x8"  # the tied alias resolves
     q = stored["model.layers.0.self_attn.q_proj.weight"]
     assert q.dtype == torch.uint8 and tuple(q.shape) == (64, 2 * 20)
     assert stored.logical_shape("model.layers.0.self_attn.q_proj.weight") == (64, 64)
     assert set(weight_formats(stored)) == {"f32", "gguf/q4_0", "gguf/q4_1x8", "gguf/q5_0",
-                                           "gguf/q5_1", "gguf/q8_0"}
+                                           "gguf/q5_1", "gguf/q8_0x8"}
 
 
-def test_q4_1_tensors_are_held_as_the_files_bytes_regrouped_within_each_row(quant_gguf, stored):
+def test_q4_1_and_q8_0_tensors_are_held_as_the_files_bytes_regrouped_within_each_row(quant_gguf, stored):
     # The stored folder holds every Q4_1 row as the file's 20-byte blocks moved into q4_1x8
-    # (scales apart from quants): moved back, the bytes are the file's; the planner's header-only
-    # view names the same held format, so a planned and a loaded run lower alike.
+    # (scales apart from quants), every Q8_0 row into q8_0x8: moved back, the bytes are the
+    # file's; the planner's header-only view names the same held formats, so a planned and a
+    # loaded run lower alike.
     from fuel.kernels.quant_blocks import regroup
     from fuel.runtime.gguf_loader import read_gguf
     from fuel.runtime.quant_cache import planned_weights
@@ -85,6 +86,14 @@ def test_q4_1_tensors_are_held_as_the_files_bytes_regrouped_within_each_row(quan
     assert not torch.equal(stored[name], file_rows)
     assert torch.equal(regroup(stored[name], "q4_1x8", cols, back=True), file_rows)
     assert planned_weights(quant_gguf).format_of(name) == "gguf/q4_1x8"
+    embed = next(t for t in read_gguf(quant_gguf)._reader.tensors if t.name == "token_embd.weight")
+    assert embed.tensor_type.name == "Q8_0"
+    held = stored["model.embed_tokens.weight"]
+    file_rows = torch.from_numpy(np.array(embed.data, dtype=np.uint8).reshape(held.shape[0], -1))
+    assert stored.format_of("model.embed_tokens.weight") == "gguf/q8_0x8"
+    assert not torch.equal(held, file_rows)
+    assert torch.equal(regroup(held, "q8_0x8", stored.logical_shape("model.embed_tokens.weight")[1], back=True), file_rows)
+    assert planned_weights(quant_gguf).format_of("model.embed_tokens.weight") == "gguf/q8_0x8"
 
 
 def test_packed_rows_dequantize_to_the_f32_conversion(stored, dequantized):
@@ -151,7 +160,7 @@ def test_stored_run_with_adopted_kernels_equals_the_dequantized_run(shipped_mix,
                           synthesizer=CpuSynthesizer(cache_dir=fuel_cache / "jit" / "numba"))
     options.jit.profile_options = {"warmup": 1, "repeats": 3, "min_sample_ns": 20_000}
     stored, dequantized = shipped_mix
-    assert set(weight_formats(stored)) == {"f32", "gguf/q4_1x8", "gguf/q8_0"}
+    assert set(weight_formats(stored)) == {"f32", "gguf/q4_1x8", "gguf/q8_0x8"}
     engine = Engine(stored, max_context=64, table=table, optimize_options=options)
     tokens = generate(engine, PROMPT, 6).tokens
     adopted = {e.region for e in options.jit.events if e.record.runtime_id is not None}
@@ -180,7 +189,7 @@ def test_planning_reads_formats_from_the_header_alone(stored, quant_gguf):
     planned = planned_weights(quant_gguf)
     assert dict(planned.formats) == dict(stored.formats)
     assert {name: planned[name] for name in planned} == stored.shapes()
-    assert planned.format_of("lm_head.weight") == "gguf/q8_0"
+    assert planned.format_of("lm_head.weight") == "gguf/q8_0x8"
 
 
 def test_lowering_binds_packed_weights_to_quantized_matmuls(stored):
@@ -196,7 +205,7 @@ def test_lowering_binds_packed_weights_to_quantized_matmuls(stored):
     quant = [op for op in ops if isinstance(op, Fused) and op.id == FusedOps.QUANT_LINEAR]
     # 2 layers x (q, k, v, o, gate, up, down) + the tied LM head, each its own packed weight.
     assert len(quant) == 2 * 7 + 1
-    assert {op.params.layout for op in quant} == {"q8_0", "q4_0", "q4_1x8", "q5_0", "q5_1"}
+    assert {op.params.layout for op in quant} == {"q8_0x8", "q4_0", "q4_1x8", "q5_0", "q5_1"}
     assert sum(isinstance(op, Prim) and op.kind is OpKind.DEQUANTIZE for op in ops) == 1  # embed
 
 

@@ -212,17 +212,18 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
 ggml-common.h's ``block_q4_0`` ... ``block_q8_K`` and the ``GGML_QUANT_SIZES`` table of the
 ``gguf`` package (``gguf.constants``), which fuel's tests check this against."""
 
-REGROUPED: dict[str, str] = {"q4_1x8": "q4_1"}
+REGROUPED: dict[str, str] = {"q4_1x8": "q4_1", "q8_0x8": "q8_0"}
 """fuel's regrouped block layouts → the llama.cpp layout whose bytes they hold. ``q4_1x8``:
 each row's q4_1 blocks eight at a time, the eight f16 ``d`` first (in the lane order
 ``0, 2, 4, 6, 1, 3, 5, 7``), then the eight f16 ``m``, then the eight blocks' 16 quant bytes in
-block order; a row's last ``blocks % 8`` blocks as ``d``'s, ``m``'s, quants in block order. The
+block order; a row's last ``blocks % 8`` blocks as ``d``'s, ``m``'s, quants in block order.
+``q8_0x8``: the same for q8_0 (eight ``d`` in block order, then the eight blocks' 32 int8). The
 same bytes as the file's row, moved (:func:`fuel.kernels.quant_blocks.regroup`), so a row is as
 large and means the same weights; what changes is what a kernel reads with one load: the native
-8-bit-activation kernel reads two blocks' quants, or eight blocks' scales, at once
-(``fuel.kernels.native``, ``gemv.c``). A stored GGUF run holds its Q4_1 tensors this way
-(:func:`fuel.runtime.quant_cache.held_format`). Spelled ``gguf/q4_1x8``: a llama.cpp quantization
-in fuel's arrangement, never a GGUF tensor type."""
+8-bit-activation kernel reads eight blocks' scales at once and sums eight blocks before it
+scales them (``fuel.kernels.native``, ``gemv.c``). A stored GGUF run holds its Q4_1 and Q8_0
+tensors this way (:func:`fuel.runtime.quant_cache.held_format`). Spelled ``gguf/q4_1x8``: a
+llama.cpp quantization in fuel's arrangement, never a GGUF tensor type."""
 
 HALF_ROWS: dict[str, tuple[int, int]] = {"f16": (1, 2), "bf16": (1, 2)}
 """16-bit float matrices held as packed rows (a bf16/f16 run's matrices, a GGUF's F16/BF16

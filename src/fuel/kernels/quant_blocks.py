@@ -49,7 +49,7 @@ HALF_LAYOUTS = HALF_ROWS
 matrices in ``--dtype stored``): one element per 2-byte "block", no scale. Their quantized
 matmul is the native kernel's (f32 accumulation); the dequantize arm widens them to f32."""
 
-KERNEL_LAYOUTS = ("q8_0", "q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1")
+KERNEL_LAYOUTS = ("q8_0", "q8_0x8", "q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1")
 """Block layouts with a numba quantized-matmul template (``fuel.jit.quant_gemv``). On CPU the
 native library (``fuel.kernels.native.QUANT_LAYOUTS``: these, the K-quants q4_k/q5_k/q6_k and
 the half layouts) answers first; a layout in neither runs its dequantized arm only."""
@@ -94,29 +94,34 @@ def _qtype(layout: str):
     return GGMLQuantizationType[layout.upper()]
 
 
-def _x8_order(blocks: int):
-    """``order`` with ``grouped[:, j] = file[:, order[j]]`` for a q4_1 row of ``blocks`` blocks
-    and its q4_1x8 form (:data:`fuel.circuit.format.REGROUPED`): per group of eight, the d's at
-    lanes ``k // 2 + 4 (k % 2)``, the m's after them, the quants in block order; a short last
-    group in block order throughout."""
+def _x8_order(layout: str, blocks: int):
+    """``order`` with ``grouped[:, j] = file[:, order[j]]`` for a row of ``blocks`` blocks of a
+    regrouped layout (:data:`fuel.circuit.format.REGROUPED`) and its file layout: per group of
+    eight, the d's (q4_1x8: at lanes ``k // 2 + 4 (k % 2)``, then the m's), then the quants in
+    block order; a short last group in block order throughout."""
     import numpy as np
 
-    order = np.empty(blocks * 20, dtype=np.int64)
+    offset = layout == "q4_1x8"  # q4_1: d, m, 16 quant bytes; q8_0: d, 32 int8
+    size = 20 if offset else 34
+    scales, quants = (4, 16) if offset else (2, 32)
+    order = np.empty(blocks * size, dtype=np.int64)
     for start in range(0, blocks, 8):
         n = min(8, blocks - start)
-        base = start * 20
+        base = start * size
         for k in range(n):
-            at = k // 2 + 4 * (k % 2) if n == 8 else k
-            block = base + 20 * k
+            at = k // 2 + 4 * (k % 2) if n == 8 and offset else k
+            block = base + size * k
             order[base + 2 * at:base + 2 * at + 2] = (block, block + 1)
-            order[base + 2 * n + 2 * at:base + 2 * n + 2 * at + 2] = (block + 2, block + 3)
-            order[base + 4 * n + 16 * k:base + 4 * n + 16 * k + 16] = np.arange(block + 4, block + 20)
+            if offset:
+                order[base + 2 * n + 2 * at:base + 2 * n + 2 * at + 2] = (block + 2, block + 3)
+            first = base + scales * n + quants * k
+            order[first:first + quants] = np.arange(block + scales, block + size)
     return order
 
 
 def regroup(packed: Any, layout: str, cols: int, *, back: bool = False):
     """Packed rows ``[..., row_bytes]`` (torch u8) of a regrouped layout (``layout`` is
-    ``q4_1x8``: :data:`fuel.circuit.format.REGROUPED`) from its llama.cpp layout's file order, or
+    ``q4_1x8``, ``q8_0x8``: :data:`fuel.circuit.format.REGROUPED`) from its llama.cpp layout's file order, or
     back to it (``back=True``): the same bytes, moved within each row. The native library's
     ``fuel_regroup`` does the same faster; the tests hold the two equal."""
     import numpy as np
@@ -125,7 +130,7 @@ def regroup(packed: Any, layout: str, cols: int, *, back: bool = False):
     if layout not in REGROUPED:
         raise FormatError(f"`{layout}` is not a regrouped layout (those are {', '.join(REGROUPED)})")
     elements, _ = block_shape(layout)
-    order = _x8_order(cols // elements)
+    order = _x8_order(layout, cols // elements)
     if back:
         order = np.argsort(order)
     rows = packed.reshape(-1, packed.shape[-1]).contiguous().numpy()

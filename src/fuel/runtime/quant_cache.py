@@ -12,7 +12,8 @@ Invariants:
 - Same packed bytes as the file, reordered only where llama.cpp's converter permuted rows (Q and
   K projections: :func:`~fuel.runtime.gguf_loader.unpermute_rotary_rows` moves whole rows, so a
   block never straddles it) and, within each row, where a format is held regrouped
-  (:func:`held_format`: Q4_1 as ``gguf/q4_1x8``, the native decode kernel's layout), so
+  (:func:`held_format`: Q4_1 and Q8_0 as ``gguf/q4_1x8``, ``gguf/q8_0x8``, the native decode
+  kernels' layouts), so
   dequantizing a packed row equals the f32 conversion's row.
 - The cache folder's name carries the SHA-256 of the GGUF bytes and :data:`STORED_VERSION`; it
   is written into a staging folder and renamed into place (an interrupted conversion leaves
@@ -32,15 +33,16 @@ from typing import Any
 from fuel.progress import Listener, Task
 from fuel.runtime.gguf_loader import CorruptWeightsFile, UnsupportedGguf, WeightsFileMissing
 
-STORED_VERSION = 2
-"""Bump when the stored folder's content would change for the same GGUF bytes (2: Q4_1 held
-regrouped, ``gguf/q4_1x8``)."""
+STORED_VERSION = 3
+"""Bump when the stored folder's content would change for the same GGUF bytes (3: Q4_1 and
+Q8_0 held regrouped, ``gguf/q4_1x8`` and ``gguf/q8_0x8``)."""
 
-HELD_REGROUPED = {"gguf/q4_1": "gguf/q4_1x8"}
+HELD_REGROUPED = {"gguf/q4_1": "gguf/q4_1x8", "gguf/q8_0": "gguf/q8_0x8"}
 """File formats a stored run holds in fuel's regrouped layout (:data:`fuel.circuit.format.REGROUPED`).
-Why Q4_1 (SmolLM2's file): its 8-bit-activation decode kernel streams SmolLM2's 120 q4_1
-products 0.84x the time regrouped (``benchmarks/bench_run.py --stored`` measures the whole
-decode); the other formats keep the file's order."""
+Why (SmolLM2's file, 2 threads, weights from memory): the 8-bit-activation decode kernels stream
+its 120 q4_1 products in 0.84x the time regrouped and its q8_0 LM head in 0.79x
+(``benchmarks/bench_run.py --stored`` measures the whole decode); the other formats keep the
+file's order."""
 
 
 def held_format(file_format: str) -> str:

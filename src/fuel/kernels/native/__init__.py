@@ -59,13 +59,13 @@ SOURCES = (SOURCE, Path(__file__).with_name("rows.c"), Path(__file__).with_name(
 FORMAT_CODES: dict[str, int] = {
     "f32": 0, "f16": 1, "bf16": 2, "int8_channel": 3,
     "q4_0": 10, "q4_1": 11, "q5_0": 12, "q5_1": 13, "q8_0": 14,
-    "q4_k": 15, "q5_k": 16, "q6_k": 17, "q4_1x8": 18,
+    "q4_k": 15, "q5_k": 16, "q6_k": 17, "q4_1x8": 18, "q8_0x8": 19,
 }
 """The weight formats the library multiplies (GGUF block layouts by their llama.cpp names;
-``int8_channel``: per-channel int8 rows, :data:`fuel.circuit.format.INT8_ROWS`; ``q4_1x8``:
-q4_1's blocks regrouped by eight, :data:`fuel.circuit.format.REGROUPED`)."""
+``int8_channel``: per-channel int8 rows, :data:`fuel.circuit.format.INT8_ROWS`; ``q4_1x8``,
+``q8_0x8``: q4_1's and q8_0's blocks regrouped by eight, :data:`fuel.circuit.format.REGROUPED`)."""
 
-QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
+QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0", "q8_0x8", "q4_k", "q5_k", "q6_k",
                            "f16", "bf16", "int8_channel"})
 """The packed layouts a ``quant_linear`` region may carry that the library multiplies (GGUF
 blocks, 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``, and
@@ -75,7 +75,7 @@ KV_CODES: dict[str, int] = {"torch.float32": 0, "torch.float16": 1, "torch.bfloa
 """KV cache element dtypes the library reads and writes (a torch dtype's ``str``) and their
 format codes (gemv.c's F32, F16, BF16)."""
 
-Q8_FORMATS = frozenset({"q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0"})
+Q8_FORMATS = frozenset({"q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0", "q8_0x8"})
 """The formats with an 8-bit-activation decode kernel (``matmul(..., activations="q8")``)."""
 
 STREAM_ROWS = 4
@@ -314,7 +314,8 @@ class NativeKernels:
 
     def regroup(self, layout: str, packed: Any, cols: int, *, back: bool = False) -> Any:
         """Packed rows ``[rows, row_bytes]`` (u8) of ``layout``'s file order moved into its
-        regrouped layout (``q4_1`` -> ``q4_1x8``: :data:`fuel.circuit.format.REGROUPED`), or
+        regrouped layout (``q4_1`` -> ``q4_1x8``, ``q8_0`` -> ``q8_0x8``:
+        :data:`fuel.circuit.format.REGROUPED`), or
         back (``back=True``): a new tensor, the same bytes reordered within each row."""
         import torch
 

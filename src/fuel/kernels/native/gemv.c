@@ -25,6 +25,9 @@
      one load, eight blocks' scales with one conversion, and scales eight block sums with one
      multiply-add (q8x8_dot_rows); the row and its bytes are q4_1's, so a row is exactly as
      large and dequantizes to the same values.
+   - q8_0x8: q8_0's blocks regrouped the same way: a group of eight is 272 bytes, the eight f16 d
+     (block order: the reduction below leaves q8_0's eight sums in it), then the eight blocks'
+     32 int8 one after another; a short last group d[t] then its quants (q8x8_0_dot_rows).
    - GGUF K-quant super-blocks of 256 weights, eight sub-blocks of 32 (llama.cpp's block_q4_K,
      block_q5_K, block_q6_K, read as is):
        q4_k (144 bytes): f16 d, f16 dmin, scales[12], qs[128]
@@ -91,7 +94,7 @@
     } while (0)
 
 enum { F32 = 0, F16 = 1, BF16 = 2, I8C = 3, Q4_0 = 10, Q4_1 = 11, Q5_0 = 12, Q5_1 = 13, Q8_0 = 14,
-       Q4_K = 15, Q5_K = 16, Q6_K = 17, Q4_1X8 = 18 };
+       Q4_K = 15, Q5_K = 16, Q6_K = 17, Q4_1X8 = 18, Q8_0X8 = 19 };
 
 static inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -134,7 +137,7 @@ INLINE float dense_weight(int fmt, const uint8_t *p, int64_t j) {
 INLINE int block_bytes(int fmt) {
     switch (fmt) {
     case Q4_0: return 18; case Q4_1: case Q4_1X8: return 20; case Q5_0: return 22; case Q5_1: return 24;
-    case Q8_0: return 34; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+    case Q8_0: case Q8_0X8: return 34; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
     default: return 0;
     }
 }
@@ -142,21 +145,24 @@ INLINE int block_bytes(int fmt) {
 /* Weights per block: 256 for the K-quant super-blocks, 32 for the other block formats. */
 INLINE int block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? 256 : 32; }
 
-/* q4_1x8 (see the top): the lane of block k (0..7) of a group, and one row moved between the
-   file's order and the regrouped one (to_x8: q4_1 -> q4_1x8, else back), B blocks. */
-enum { X8_GROUP = 160 };
+/* The regrouped layouts (see the top): each one's file layout, the lane of block k (0..7) of a
+   q4_1x8 group, and one row moved between the file's order and the regrouped one (to_x8: into
+   the regrouped layout, else back), B blocks. */
+INLINE int x8_source(int fmt) { return fmt == Q4_1X8 ? Q4_1 : fmt == Q8_0X8 ? Q8_0 : -1; }
 INLINE int x8_lane(int k) { return k / 2 + 4 * (k % 2); }
-static __attribute__((unused)) void x8_row(const uint8_t *src, uint8_t *dst, int64_t B, int to_x8) {
+static __attribute__((unused)) void x8_row(int fmt, const uint8_t *src, uint8_t *dst, int64_t B, int to_x8) {
+    const int offset = fmt == Q4_1X8;  /* q4_1: d, m, 16 quant bytes; q8_0: d, 32 quant bytes */
+    const int bb = offset ? 20 : 34, scales = offset ? 4 : 2, quants = bb - scales;
     for (int64_t g = 0; g < B; g += 8) {
         const int n = B - g < 8 ? (int)(B - g) : 8;
-        uint8_t *grouped = (uint8_t *)(to_x8 ? dst : src) + g * 20;
-        uint8_t *file = (uint8_t *)(to_x8 ? src : dst) + g * 20;
+        uint8_t *grouped = (uint8_t *)(to_x8 ? dst : src) + g * bb;
+        uint8_t *file = (uint8_t *)(to_x8 ? src : dst) + g * bb;
         for (int k = 0; k < n; k++) {
-            const int at = n == 8 ? x8_lane(k) : k;  /* a short last group: block order */
-            uint8_t *d = grouped + 2 * at, *m = grouped + 2 * n + 2 * at, *q = grouped + 4 * n + 16 * k;
-            uint8_t *b = file + 20 * k;
-            if (to_x8) { memcpy(d, b, 2); memcpy(m, b + 2, 2); memcpy(q, b + 4, 16); }
-            else { memcpy(b, d, 2); memcpy(b + 2, m, 2); memcpy(b + 4, q, 16); }
+            const int at = n == 8 && offset ? x8_lane(k) : k;  /* q8_0 and short groups: block order */
+            uint8_t *d = grouped + 2 * at, *m = grouped + 2 * n + 2 * at, *q = grouped + scales * n + quants * k;
+            uint8_t *b = file + bb * k;
+            if (to_x8) { memcpy(d, b, 2); if (offset) memcpy(m, b + 2, 2); memcpy(q, b + scales, (size_t)quants); }
+            else { memcpy(b, d, 2); if (offset) memcpy(b + 2, m, 2); memcpy(b + scales, q, (size_t)quants); }
         }
     }
 }
@@ -841,8 +847,8 @@ void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, con
     case Q4_K: tile_rows(Q4_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case Q5_K: tile_rows(Q5_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
     case Q6_K: tile_rows(Q6_K, x, w, out, xs, M, N, K, row_bytes, n0, n1); break;
-    case Q4_1X8: {  /* f32 activations: a few rows at a time back in q4_1's order (this path is
-                       the f32 oracle and FUEL_Q8_ACTIVATIONS=0; decode reads q8x8_dot_rows) */
+    case Q4_1X8: case Q8_0X8: {  /* f32 activations: a few rows at a time back in the file's
+                       order (the f32 oracle and FUEL_Q8_ACTIVATIONS=0; decode reads q8x8_dot_rows) */
         enum { PART = 4 };
         uint8_t *rows = (uint8_t *)malloc((size_t)(PART * row_bytes));
         if (!rows) {  /* no memory for four rows: NaN, never a silently wrong number */
@@ -851,8 +857,9 @@ void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, con
         }
         for (int64_t a = n0; a < n1; a += PART) {
             const int64_t b = a + PART < n1 ? a + PART : n1;
-            for (int64_t n = a; n < b; n++) x8_row(w + n * row_bytes, rows + (n - a) * row_bytes, K / 32, 0);
-            tile_rows(Q4_1, x, rows, out + a, xs, M, N, K, row_bytes, 0, b - a);
+            for (int64_t n = a; n < b; n++) x8_row(fmt, w + n * row_bytes, rows + (n - a) * row_bytes, K / 32, 0);
+            if (fmt == Q4_1X8) tile_rows(Q4_1, x, rows, out + a, xs, M, N, K, row_bytes, 0, b - a);
+            else tile_rows(Q8_0, x, rows, out + a, xs, M, N, K, row_bytes, 0, b - a);
         }
         free(rows);
         break;
@@ -861,14 +868,14 @@ void fuel_matmul_rows(int fmt, const float *x, const uint8_t *w, float *out, con
     }
 }
 
-/* Packed rows between q4_1's file order and q4_1x8 (to_x8 1: into q4_1x8; 0: back): N rows of
-   K weights, row_bytes = K / 32 * 20 each, src and dst apart. Returns 0, or -1 for another
-   format or a K that splits a block. */
+/* Packed rows between a regrouped format (fmt: q4_1x8, q8_0x8) and its file's order (to_x8 1:
+   into fmt; 0: back): N rows of K weights, K / 32 blocks each, src and dst apart. Returns 0, or
+   -1 for another format or a K that splits a block. */
 int fuel_regroup(int fmt, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K, int to_x8) {
-    if (fmt != Q4_1X8 || K % 32 || K <= 0) return -1;
-    const int64_t rb = K / 32 * 20;
+    if (x8_source(fmt) < 0 || K % 32 || K <= 0) return -1;
+    const int64_t rb = K / 32 * block_bytes(fmt);
     #pragma omp parallel for schedule(static) if (N * rb >= (1 << 20))
-    for (int64_t n = 0; n < N; n++) x8_row(src + n * rb, dst + n * rb, K / 32, to_x8);
+    for (int64_t n = 0; n < N; n++) x8_row(fmt, src + n * rb, dst + n * rb, K / 32, to_x8);
     return 0;
 }
 
@@ -1065,7 +1072,7 @@ static const uint8_t Q8_HD_IDX[4][64] __attribute__((aligned(64))) = {
    read as unsigned bytes: the VNNI paths). */
 INLINE int q8_offset(int fmt) {
 #ifdef Q8_VNNI
-    if (fmt == Q8_0) return 128;
+    if (fmt == Q8_0 || fmt == Q8_0X8) return 128;
 #endif
     return fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;
 }
@@ -1073,7 +1080,7 @@ INLINE int q8_offset(int fmt) {
 /* Whether a group's activation bytes are stored in the four-block nibble order (see above). */
 INLINE int q8_quad(int fmt) {
 #ifdef __AVX2__
-    return fmt != Q8_0;
+    return fmt != Q8_0 && fmt != Q8_0X8;
 #else
     (void)fmt; return 0;
 #endif
@@ -1396,10 +1403,34 @@ INLINE __m256i x8_sums(const uint8_t *q, const int t, const int8_t *x) {
    into L1, three lines a 160-byte group). Unlike the q4_1 kernel (whose heavier arithmetic hid
    nothing more with it), this one streams faster with it: SmolLM2's 120 decode q4_1 products
    regrouped, 2 threads, from memory, 30 interleaved passes: none 4.72 ms, 2 KiB 4.00 ms, 4 KiB
-   4.00 ms (the q4_1 kernel: 4.78 ms; with 2-8 KiB ahead 4.14-4.23 against 4.10). */
+   4.00 ms (the q4_1 kernel: 4.78 ms; with 2-8 KiB ahead 4.14-4.23 against 4.10). q8_0x8's LM
+   head likewise (49152x576): none 1.78 ms, 2 KiB 1.50 ms, 4 KiB 1.42 ms (q8_0: 1.79 ms). */
 #ifndef X8_AHEAD
 #define X8_AHEAD 4096
 #endif
+
+/* One q4_1x8 group of n (1..8) blocks at o for R rows (see q8x8_dot_rows). */
+INLINE void x8_1_group(const int n, const int R, const uint8_t *o, const Q8Rows *a, int64_t r0,
+                       int64_t g, __m256 acc[4], __m256 bias[4]) {
+    __m256 dw, mw;
+    if (n == 8) {
+        _mm_prefetch((const char *)o + X8_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)o + X8_AHEAD + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)o + X8_AHEAD + 128, _MM_HINT_T0);
+        dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+        mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
+    } else {  /* 20 n >= 16 + 2 n bytes: both loads stay inside the row */
+        const __m128i lanes = _mm_load_si128((const __m128i *)X8_TAIL[n]);
+        dw = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)o), lanes));
+        mw = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(o + 2 * n)), lanes));
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (r0 + r) * a->G8 + g;
+        const __m256i sums = x8_sums(o + 4 * n, n, a->q + ((r0 + r) * a->G + 2 * g) * 128);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_load_ps(a->d8 + at * 8)), acc[r]);
+        bias[r] = _mm256_fmadd_ps(mw, _mm256_load_ps(a->s8 + at * 8), bias[r]);
+    }
+}
 
 /* R (1..4) outputs of one q4_1x8 weight row against quantized activation rows r0 .. r0+R-1
    (out[r * N]): per group of eight blocks, four 32-byte quant loads shared by the R rows, the
@@ -1409,35 +1440,94 @@ INLINE void q8x8_dot_rows(int fmt, const int R, const uint8_t *row, const Q8Rows
                           float *out, int64_t N) {
     (void)fmt;  /* Q4_1X8 (WITH_ROWS passes it) */
     const int64_t B = a->B, full = B / 8;
-    const int t = (int)(B % 8);
     __m256 acc[4], bias[4];
     for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm256_setzero_ps();
-    const uint8_t *o = row;
-    for (int64_t g = 0; g <= full; g++) {
-        const int n = g < full ? 8 : t;
-        if (!n) break;
-        __m256 dw, mw;
-        if (n == 8) {
-            _mm_prefetch((const char *)o + X8_AHEAD, _MM_HINT_T0);
-            _mm_prefetch((const char *)o + X8_AHEAD + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)o + X8_AHEAD + 128, _MM_HINT_T0);
-            dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
-            mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
-        } else {  /* 20 t >= 16 + 2 t bytes: both loads stay inside the row */
-            const __m128i lanes = _mm_load_si128((const __m128i *)X8_TAIL[n]);
-            dw = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)o), lanes));
-            mw = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(o + 2 * n)), lanes));
-        }
-        for (int r = 0; r < R; r++) {
-            const int64_t at = (r0 + r) * a->G8 + g;
-            const __m256i sums = n == 8 ? x8_sums(o + 32, 8, a->q + ((r0 + r) * a->G + 2 * g) * 128)
-                                        : x8_sums(o + 4 * n, n, a->q + ((r0 + r) * a->G + 2 * g) * 128);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_load_ps(a->d8 + at * 8)), acc[r]);
-            bias[r] = _mm256_fmadd_ps(mw, _mm256_load_ps(a->s8 + at * 8), bias[r]);
-        }
-        o += X8_GROUP;
+    for (int64_t g = 0; g < full; g++) x8_1_group(8, R, row + g * 8 * 20, a, r0, g, acc, bias);
+    switch (B % 8) {  /* a short last group, its block count a constant in each case */
+    case 1: x8_1_group(1, R, row + full * 8 * 20, a, r0, full, acc, bias); break;
+    case 2: x8_1_group(2, R, row + full * 8 * 20, a, r0, full, acc, bias); break;
+    case 3: x8_1_group(3, R, row + full * 8 * 20, a, r0, full, acc, bias); break;
+    case 4: x8_1_group(4, R, row + full * 8 * 20, a, r0, full, acc, bias); break;
+    case 5: x8_1_group(5, R, row + full * 8 * 20, a, r0, full, acc, bias); break;
+    case 6: x8_1_group(6, R, row + full * 8 * 20, a, r0, full, acc, bias); break;
+    case 7: x8_1_group(7, R, row + full * 8 * 20, a, r0, full, acc, bias); break;
     }
     for (int r = 0; r < R; r++) out[r * N] = hsum(_mm256_add_ps(acc[r], bias[r]));
+}
+
+/* q8_0x8's short last group of t (1..7) blocks: pshufb indices keeping its t f16 scales, zeros
+   in the lanes past t. */
+static const int8_t X8_NATURAL[8][16] __attribute__((aligned(16))) = {
+    {-128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128},
+    {0, 1, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128},
+    {0, 1, 2, 3, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128},
+    {0, 1, 2, 3, 4, 5, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128},
+    {0, 1, 2, 3, 4, 5, 6, 7, -128, -128, -128, -128, -128, -128, -128, -128},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, -128, -128, -128, -128, -128, -128},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, -128, -128, -128, -128},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, -128, -128}
+};
+
+/* R (1..4) outputs of one q8_0x8 weight row against quantized activation rows r0 .. r0+R-1
+   (natural order; out[r * N]): per group of eight blocks, eight 32-byte quant loads shared by the
+   R rows and the eight d_w converted once; each block's eight 32-bit lane sums (q8_0_block_dot)
+   reduced to one by a horizontal-add tree that leaves the eight blocks' sums in block order,
+   scaled by one multiply-add. Streams SmolLM2's 49152x576 LM head (2 threads, from memory)
+   in 1.42 ms against q8_0's 1.79 ms (4 KiB ahead; none: 1.78 ms). */
+/* One q8_0x8 group of n (1..8) blocks at o (their d's, then their quants) for R rows: the eight
+   blocks' sums in block order, scaled into acc (the activation scales of the n blocks only: the
+   floats after a row's last block are another array's). */
+INLINE void x8_0_group(const int n, const int R, const uint8_t *o, const Q8Rows *a, int64_t r0,
+                       int64_t b0, __m256 acc[4]) {
+    __m256 dw;
+    if (n == 8) {
+        for (int l = 0; l < 5; l++) _mm_prefetch((const char *)o + X8_AHEAD + 64 * l, _MM_HINT_T0);
+        dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+    } else {  /* 34 n >= 16 bytes: the load stays inside the row */
+        dw = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)o),
+                                              _mm_load_si128((const __m128i *)X8_NATURAL[n])));
+    }
+    __m256i u[8];
+    for (int k = 0; k < 8; k++)
+        u[k] = k < n ? _mm256_loadu_si256((const __m256i *)(o + 2 * n + 32 * k)) : _mm256_setzero_si256();
+    for (int r = 0; r < R; r++) {
+        const int8_t *xq = a->q + (r0 + r) * a->G * 128 + b0 * 32;
+        const int32_t *c = a->c + (r0 + r) * a->G * 32 + b0 * 8;
+        __m256i s[8];
+        for (int k = 0; k < 8; k++) s[k] = k < n ? q8_0_block_dot(u[k], xq + 32 * k, c + 8 * k) : _mm256_setzero_si256();
+        const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                                              _mm256_permute2x128_si256(h0, h1, 0x31));
+        const float *d = a->d + (r0 + r) * a->B + b0;
+        const __m256 da = n == 8 ? _mm256_loadu_ps(d)
+            : _mm256_maskload_ps(d, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, da), acc[r]);
+    }
+}
+
+/* R (1..4) outputs of one q8_0x8 weight row against quantized activation rows r0 .. r0+R-1
+   (natural order; out[r * N]): per group of eight blocks, eight 32-byte quant loads shared by the
+   R rows and the eight d_w converted once; each block's eight 32-bit lane sums (q8_0_block_dot)
+   reduced to one by a horizontal-add tree that leaves the eight blocks' sums in block order,
+   scaled by one multiply-add (x8_0_group). */
+INLINE void q8x8_0_dot_rows(int fmt, const int R, const uint8_t *row, const Q8Rows *a, int64_t r0,
+                            float *out, int64_t N) {
+    (void)fmt;  /* Q8_0X8 (WITH_ROWS passes it) */
+    const int64_t B = a->B, full = B / 8;
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < full; g++) x8_0_group(8, R, row + g * 8 * 34, a, r0, 8 * g, acc);
+    switch (B % 8) {  /* a short last group, its block count a constant in each case */
+    case 1: x8_0_group(1, R, row + full * 8 * 34, a, r0, 8 * full, acc); break;
+    case 2: x8_0_group(2, R, row + full * 8 * 34, a, r0, 8 * full, acc); break;
+    case 3: x8_0_group(3, R, row + full * 8 * 34, a, r0, 8 * full, acc); break;
+    case 4: x8_0_group(4, R, row + full * 8 * 34, a, r0, 8 * full, acc); break;
+    case 5: x8_0_group(5, R, row + full * 8 * 34, a, r0, 8 * full, acc); break;
+    case 6: x8_0_group(6, R, row + full * 8 * 34, a, r0, 8 * full, acc); break;
+    case 7: x8_0_group(7, R, row + full * 8 * 34, a, r0, 8 * full, acc); break;
+    }
+    for (int r = 0; r < R; r++) out[r * N] = hsum(acc[r]);
 }
 
 /* R (1..4) outputs of one weight row against quantized activation rows r0 .. r0+R-1 (written
@@ -1571,18 +1661,21 @@ INLINE void q8_dot_4w(int fmt, const uint8_t *w, int64_t row_bytes, const Q8Rows
 
 INLINE void q8_tile(const int fmt, const uint8_t *w, float *out, const Q8Rows *a, int64_t M,
                     int64_t N, int64_t row_bytes, int64_t n0, int64_t n1) {
-    if (fmt == Q4_1X8) {
+    if (fmt == Q4_1X8 || fmt == Q8_0X8) {
 #ifdef __AVX2__
         for (int64_t m = 0; m < M; m += 4) {
             const int R = M - m < 4 ? (int)(M - m) : 4;
-            for (int64_t n = n0; n < n1; n++)
-                WITH_ROWS(R, q8x8_dot_rows, Q4_1X8, w + n * row_bytes, a, m, out + m * N + n, N);
+            for (int64_t n = n0; n < n1; n++) {
+                if (fmt == Q4_1X8) WITH_ROWS(R, q8x8_dot_rows, Q4_1X8, w + n * row_bytes, a, m, out + m * N + n, N);
+                else WITH_ROWS(R, q8x8_0_dot_rows, Q8_0X8, w + n * row_bytes, a, m, out + m * N + n, N);
+            }
         }
 #else
         uint8_t *file = (uint8_t *)malloc((size_t)row_bytes);
         for (int64_t n = n0; n < n1; n++) {
-            if (file) x8_row(w + n * row_bytes, file, a->B, 0);
-            for (int64_t m = 0; m < M; m++) out[m * N + n] = file ? q8_dot_portable(Q4_1, file, a, m) : NAN;
+            if (file) x8_row(fmt, w + n * row_bytes, file, a->B, 0);
+            for (int64_t m = 0; m < M; m++)
+                out[m * N + n] = file ? q8_dot_portable(x8_source(fmt), file, a, m) : NAN;
         }
         free(file);
 #endif
@@ -1616,7 +1709,7 @@ INLINE void q8_tile(const int fmt, const uint8_t *w, float *out, const Q8Rows *a
 /* The activation rows fuel_matmul_q8 rounds (its first half), for the fused steps: NULL for a
    format or width it cannot run (or no memory); fuel_q8_release frees them. */
 void *fuel_q8_prepare(int fmt, const float *x, int64_t M, int64_t K) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0 && fmt != Q4_1X8) return NULL;
+    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0 && x8_source(fmt) < 0) return NULL;
     if (K % 32 || K <= 0) return NULL;
     Q8Rows *a = (Q8Rows *)malloc(sizeof(Q8Rows));
     if (!a) return NULL;
@@ -1638,13 +1731,14 @@ void fuel_matmul_q8_rows(int fmt, const uint8_t *w, float *out, const void *rows
     case Q5_0: q8_tile(Q5_0, w, out, a, M, N, row_bytes, n0, n1); break;
     case Q5_1: q8_tile(Q5_1, w, out, a, M, N, row_bytes, n0, n1); break;
     case Q4_1X8: q8_tile(Q4_1X8, w, out, a, M, N, row_bytes, n0, n1); break;
+    case Q8_0X8: q8_tile(Q8_0X8, w, out, a, M, N, row_bytes, n0, n1); break;
     default: q8_tile(Q8_0, w, out, a, M, N, row_bytes, n0, n1); break;
     }
 }
 
 int fuel_matmul_q8(int fmt, const float *x, const uint8_t *w, float *out, int64_t M, int64_t N,
                    int64_t K, int64_t row_bytes, int threads) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0 && fmt != Q4_1X8) return -1;
+    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q5_0 && fmt != Q5_1 && fmt != Q8_0 && x8_source(fmt) < 0) return -1;
     if (K % 32 || K <= 0) return -1;
     Q8Rows a;
     if (q8_prepare(fmt, x, M, K, &a)) return -1;
@@ -1694,7 +1788,7 @@ int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K,
     DEQ(F32) DEQ(F16) DEQ(BF16) DEQ(I8C) DEQ(Q4_0) DEQ(Q4_1) DEQ(Q5_0) DEQ(Q5_1) DEQ(Q8_0)
     DEQ(Q4_K) DEQ(Q5_K) DEQ(Q6_K)
 #undef DEQ
-    case Q4_1X8: {  /* each row back in q4_1's order, then q4_1's */
+    case Q4_1X8: case Q8_0X8: {  /* each row back in the file's order, then the file format's */
         int failed = 0;
         _Pragma("omp parallel num_threads(threads) if (parallel)")
         {
@@ -1706,8 +1800,9 @@ int fuel_dequantize(int fmt, const uint8_t *w, float *dst, int64_t N, int64_t K,
             _Pragma("omp for schedule(static)")
             for (int64_t n = 0; n < N; n++) {
                 if (!file) continue;
-                x8_row(w + n * row_bytes, file, K / 32, 0);
-                dequant_row(Q4_1, file, K, dst + n * K);
+                x8_row(fmt, w + n * row_bytes, file, K / 32, 0);
+                if (fmt == Q4_1X8) dequant_row(Q4_1, file, K, dst + n * K);
+                else dequant_row(Q8_0, file, K, dst + n * K);
             }
             free(file);
         }
