@@ -566,6 +566,31 @@ def test_the_argmax_kernel_answers_like_torch_with_and_without_keepdim(lib, keep
         assert got.shape == want.shape and got.tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_decode_attention_of_64_wide_heads_follows_a_permuted_table_and_the_softcap(lib, softcap):
+    # Why: an f32 cache of 64-wide heads scores eight positions at a time and sums the values
+    # in registers (gemv.c attn_scores8 / attn_values64); each position's row must still come
+    # through the sequence's own block table, the cap apply to every score, and a context that
+    # is not a multiple of eight keep its last positions. f64 reference, per sequence and head.
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, block, blocks = 6, 2, 64, 4, 12
+    k_cache = torch.randn(blocks, block, kv_heads, dim, generator=generator) * 2
+    v_cache = torch.randn(blocks, block, kv_heads, dim, generator=generator)
+    q = torch.randn(3, heads, 1, dim, generator=generator) * 2
+    table = torch.stack([torch.randperm(blocks, generator=generator)[:6] for _ in range(3)]).to(torch.int32)
+    lens = torch.tensor([21, 8, 3], dtype=torch.int32)
+    got = lib.paged_attn(q, k_cache, v_cache, table, lens, 0.125, softcap or None)
+    for b in range(3):
+        rows = torch.cat([k_cache[int(blk)] for blk in table[b]])[: int(lens[b])].double()
+        vals = torch.cat([v_cache[int(blk)] for blk in table[b]])[: int(lens[b])].double()
+        for h in range(heads):
+            scores = rows[:, h // 3] @ q[b, h, 0].double() * 0.125
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            want = torch.softmax(scores, 0) @ vals[:, h // 3]
+            assert float((got[b, h, 0].double() - want).abs().max()) < 1e-5, (b, h)
+
+
 @pytest.mark.parametrize("context", [7, 100, 300, 2000])
 def test_decode_attention_over_a_long_context_matches_f64_softmax_attention(lib, context):
     # Why: the softmax's exponentials run eight at a time (a polynomial exp, ~1 ulp) and long
