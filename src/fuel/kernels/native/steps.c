@@ -209,6 +209,54 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
    epilogue, as CUTLASS composes one). Each output row is computed exactly as the unfused
    fuel_matmul / fuel_matmul_q8 computes it (the same tiles of TILE rows, the same row kernel),
    so the results are the unfused records' bit for bit. */
+/* The KV cache rows a decode attention record (STEP_PAGED_ATTN) will read, asked for into L2 by
+   the thread that will read them: the units (sequence, kv head, query row) it gets under the
+   attention's own static schedule (fuel_paged_attn_kv: parallel from ATTN_WORK on). Called
+   at the start of the fused product step whose epilogue holds the attention: a decode step
+   streams megabytes of weights between two layers' attention, so every cached row is gone from
+   every cache level by then, and the attention waited a memory latency per few rows (SmolLM2 at
+   ~100 positions: ~15-25 us of a ~20-30 us call). Asked for here, the rows come in while the
+   products stream (the same bytes, earlier). A hint only: it reads nothing and changes nothing,
+   and a block outside the cache is skipped (the attention refuses it). */
+enum { ATTN_WORK = 1 << 15 };
+static void prefetch_attention(const fuel_step *s, void *const *table, int me, int teams) {
+    const int64_t *n = s->n;
+    const int64_t B = n[0], Hq = n[1], L = n[2], D = n[3], blocks = n[4], bs = n[5], Hkv = n[6], W = n[7];
+    const int index_bytes = (int)n[8], kv_fmt = (int)n[9];
+    const char *kc = P(1), *vc = P(2);
+    const void *tbl = P(3), *lens = P(4);
+    const int64_t capacity = W * bs, units = B * Hkv * L, row_bytes = D * (kv_fmt == 0 ? 4 : 2);
+    if (kv_fmt < 0 || kv_fmt > 2 || Hkv <= 0 || bs <= 0) return;
+    int64_t seen_total = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t seen = index_at(lens, b, index_bytes);
+        seen_total += seen > capacity ? capacity : seen;
+    }
+    const int parallel = units > 1 && seen_total * Hq * D * L >= ATTN_WORK;
+    int64_t u0 = 0, u1 = units;
+    if (parallel) {  /* libgomp's static schedule: contiguous chunks, the first units % teams one longer */
+        const int64_t q = units / teams, r = units % teams;
+        u0 = me * q + (me < r ? me : r);
+        u1 = u0 + q + (me < r ? 1 : 0);
+    } else if (me != 0) {
+        return;
+    }
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t b = u / (Hkv * L), kv = (u / L) % Hkv, i = u % L;
+        int64_t visible = index_at(lens, b, index_bytes) - L + i + 1;
+        if (visible > capacity) visible = capacity;
+        for (int64_t t = 0; t < visible; t++) {
+            const int64_t blk = index_at(tbl, b * W + t / bs, index_bytes);
+            if (blk < 0 || blk >= blocks) break;
+            const int64_t row = (blk * bs + t % bs) * Hkv + kv;
+            for (int64_t o = 0; o < row_bytes; o += 64) {
+                __builtin_prefetch(kc + row * row_bytes + o, 0, 2);
+                __builtin_prefetch(vc + row * row_bytes + o, 0, 2);
+            }
+        }
+    }
+}
+
 static int run_fused(const fuel_step *s, void *const *table, int threads) {
     const int64_t *n = s->n;
     const int fmt = (int)n[0], q8 = (int)n[1];
@@ -231,6 +279,9 @@ static int run_fused(const fuel_step *s, void *const *table, int threads) {
     }
     const int64_t tiles = first[count];
     const int parallel = threads > 1 && work >= 65536;
+    const fuel_step *attention = NULL;  /* a decode attention in the epilogue: its rows, early */
+    for (int64_t e = 1; e <= n[13] && !attention; e++)
+        if (s[e].kind == STEP_PAGED_ATTN) attention = s + e;
 #define FUSED_TILE(t) do {                                                                      \
         int64_t j = 0;                                                                          \
         while ((t) >= first[j + 1]) j++;                                                        \
@@ -248,6 +299,7 @@ static int run_fused(const fuel_step *s, void *const *table, int threads) {
     } while (0)
     if (!parallel) {
         int64_t run_last = -2, run_product = -1;
+        if (attention) prefetch_attention(attention, table, 0, 1);
         for (int64_t t = 0; t < tiles; t++) FUSED_TILE(t);
     } else {
         /* Each thread owns one contiguous share of the tiles (a static schedule: one stream
@@ -275,6 +327,7 @@ static int run_fused(const fuel_step *s, void *const *table, int threads) {
         {
             const int me = omp_get_thread_num();
             int64_t run_last = -2, run_product = -1;
+            if (attention) prefetch_attention(attention, table, me, teams);
             /* every share, own first (a runtime that gave fewer threads leaves some unowned:
                they are taken from the back) */
             for (int k = 0; k < teams; k++) {
