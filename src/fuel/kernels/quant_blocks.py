@@ -7,7 +7,10 @@ Decides:
   weight formats (:func:`fuel.circuit.format.gguf_format`). Any other type is refused by name.
 - A block-quantized ``[rows, cols]`` weight is held exactly as the file stores it: a u8 tensor
   ``[rows, blocks_per_row * block_bytes]`` (llama.cpp's layout: each row a run of block structs,
-  scales inside each block). That layout *is* the packed layout every kernel here reads.
+  scales inside each block). That layout *is* the packed layout every kernel here reads, and
+  so is fuel's regrouping of it (:data:`fuel.circuit.format.REGROUPED`: ``q4_1x8``,
+  ``q8_0x8``, the same bytes moved within each row, :func:`regroup`), which a stored run holds
+  its Q4_1 and Q8_0 tensors in; every reader that wants the file's order moves a row back.
 - :func:`dequantize` is the meaning of a packed row (the ``dequantize`` primitive's CPU
   kernel, arm 0 of every quantized matmul): it calls the ``gguf`` package's reference
   dequantizer (the one llama.cpp's Python tools use), so fuel never carries its own copy of the
@@ -121,9 +124,9 @@ def _x8_order(layout: str, blocks: int):
 
 def regroup(packed: Any, layout: str, cols: int, *, back: bool = False):
     """Packed rows ``[..., row_bytes]`` (torch u8) of a regrouped layout (``layout`` is
-    ``q4_1x8``, ``q8_0x8``: :data:`fuel.circuit.format.REGROUPED`) from its llama.cpp layout's file order, or
-    back to it (``back=True``): the same bytes, moved within each row. The native library's
-    ``fuel_regroup`` does the same faster; the tests hold the two equal."""
+    ``q4_1x8``, ``q8_0x8``: :data:`fuel.circuit.format.REGROUPED`) from its llama.cpp layout's
+    file order, or back to it (``back=True``): the same bytes, moved within each row. The native
+    library's ``fuel_regroup`` does the same faster; the tests hold the two equal."""
     import numpy as np
     import torch
 

@@ -3,7 +3,8 @@
 Decides how ``--dtype stored`` reads a GGUF (a checkpoint folder's int8 weights:
 :mod:`fuel.runtime.int8_checkpoint`): every tensor whose type is a llama.cpp block format
 (:data:`fuel.kernels.quant_blocks.GGUF_TYPES`) stays as its file bytes, a u8 tensor
-``[rows, row_bytes]`` (the layout the quantized kernels read); plain tensors (F32/F16/BF16:
+``[rows, row_bytes]`` (the layout the quantized kernels read; Q4_1 and Q8_0 rows with their
+bytes regrouped, :func:`held_format`); plain tensors (F32/F16/BF16:
 norm gains) are f32. The result is written once to the cache as a Hugging Face style folder
 (``config.json``, ``model.safetensors`` with the formats in its metadata, the tokenizer files)
 and loaded from there.
@@ -13,8 +14,7 @@ Invariants:
   K projections: :func:`~fuel.runtime.gguf_loader.unpermute_rotary_rows` moves whole rows, so a
   block never straddles it) and, within each row, where a format is held regrouped
   (:func:`held_format`: Q4_1 and Q8_0 as ``gguf/q4_1x8``, ``gguf/q8_0x8``, the native decode
-  kernels' layouts), so
-  dequantizing a packed row equals the f32 conversion's row.
+  kernels' layouts), so dequantizing a packed row equals the f32 conversion's row.
 - The cache folder's name carries the SHA-256 of the GGUF bytes and :data:`STORED_VERSION`; it
   is written into a staging folder and renamed into place (an interrupted conversion leaves
   nothing; two converters end with one complete folder).

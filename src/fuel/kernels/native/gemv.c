@@ -19,7 +19,7 @@
    - q4_1x8: q4_1's blocks regrouped within each row (fuel's own layout, the same bytes moved;
      fuel_regroup converts): every group of eight blocks is 160 bytes, the eight f16 d first,
      then the eight f16 m, then the eight blocks' 16 quant bytes one after another; the scales
-     sit in the lane order a horizontal-add tree leaves eight block sums in (X8_LANE: blocks 0,
+     sit in the lane order a horizontal-add tree leaves eight block sums in (x8_lane: blocks 0,
      2, 4, 6, 1, 3, 5, 7). A row's last B % 8 blocks (t of them) are d[t], m[t], then their
      quants, in block order. Why: the 8-bit-activation kernel then reads two blocks' quants with
      one load, eight blocks' scales with one conversion, and scales eight block sums with one
@@ -1034,7 +1034,11 @@ int fuel_matmul(int fmt, const float *x, const uint8_t *w, float *out, int64_t M
      lanes. q8_0 one block a step, natural order. No saturation without VNNI: |u| <= 31 (two
      products a 16-bit lane, their sum over the two halves four: 4 * 31 * 127 < 2^15), and q8_0
      multiplies |w| <= 128 by the sign-moved activation, 2 * 128 * 127 < 2^15.
-   - portable C otherwise.
+   - the regrouped q4_1x8 and q8_0x8 (see the top) on every AVX2 build, the AVX-512 ones too:
+     q8x8_dot_rows and q8x8_0_dot_rows, eight blocks a group, 256-bit (vpdpbusd where VNNI is).
+     They were measured on AVX2 alone (Zen 3); on the AVX-512 VBMI machines the file layouts'
+     512-bit four-block kernel above has not been compared with them.
+   - portable C otherwise (a regrouped row moved back into the file's order first).
    The VNNI paths read q8_0's signed weights as unsigned (w + 128, an xor) and take 128 S_b back;
    the symmetric offsets (8, 16, 128) are folded into the 32-bit accumulators' start values,
    integers (-(o / lanes) S_b a lane), so they stay exact. */

@@ -201,14 +201,6 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
    256 KiB 1.07x; f32 and bf16 steps (16 KiB) 0.98-1.01x. */
 #define RUN_AHEAD 32768
 
-/* A fused step: up to FUSED_MAX products of one activation x[M, K] by weights of one format
-   (slot 0: x; slots 1..4 the weights, 5..8 the outputs; n: fmt, 8-bit activations, M, K, count,
-   N[4], row_bytes[4], epilogue length), their tiles shared out in ONE parallel region (the
-   activations rounded or summed once), then the epilogue: the n[13] records that follow it,
-   row-wise kernels reading what the products wrote while it is in cache (a GEMM with an
-   epilogue, as CUTLASS composes one). Each output row is computed exactly as the unfused
-   fuel_matmul / fuel_matmul_q8 computes it (the same tiles of TILE rows, the same row kernel),
-   so the results are the unfused records' bit for bit. */
 /* The KV cache rows a decode attention record (STEP_PAGED_ATTN) will read, asked for into L2 by
    the thread that will read them: the units (sequence, kv head, query row) it gets under the
    attention's own static schedule (fuel_paged_attn_kv: parallel from ATTN_WORK on). Called
@@ -216,8 +208,9 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
    streams megabytes of weights between two layers' attention, so every cached row is gone from
    every cache level by then, and the attention waited a memory latency per few rows (SmolLM2 at
    ~100 positions: ~15-25 us of a ~20-30 us call). Asked for here, the rows come in while the
-   products stream (the same bytes, earlier). A hint only: it reads nothing and changes nothing,
-   and a block outside the cache is skipped (the attention refuses it). */
+   products stream (the same bytes, earlier). A hint only: it loads no cache row and writes
+   nothing, and a block outside the cache is skipped (the attention refuses it). ATTN_WORK is
+   gemv.c's ATTN_PARALLEL_WORK (the attention's own choice of a parallel region). */
 enum { ATTN_WORK = 1 << 15 };
 static void prefetch_attention(const fuel_step *s, void *const *table, int me, int teams) {
     const int64_t *n = s->n;
@@ -257,6 +250,14 @@ static void prefetch_attention(const fuel_step *s, void *const *table, int me, i
     }
 }
 
+/* A fused step: up to FUSED_MAX products of one activation x[M, K] by weights of one format
+   (slot 0: x; slots 1..4 the weights, 5..8 the outputs; n: fmt, 8-bit activations, M, K, count,
+   N[4], row_bytes[4], epilogue length), their tiles shared out in ONE parallel region (the
+   activations rounded or summed once), then the epilogue: the n[13] records that follow it,
+   row-wise kernels reading what the products wrote while it is in cache (a GEMM with an
+   epilogue, as CUTLASS composes one). Each output row is computed exactly as the unfused
+   fuel_matmul / fuel_matmul_q8 computes it (the same tiles of TILE rows, the same row kernel),
+   so the results are the unfused records' bit for bit. */
 static int run_fused(const fuel_step *s, void *const *table, int threads) {
     const int64_t *n = s->n;
     const int fmt = (int)n[0], q8 = (int)n[1];
