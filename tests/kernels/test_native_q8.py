@@ -211,6 +211,8 @@ def test_a_regrouped_layout_computes_what_its_file_layout_computes_from_the_same
     grouped = regroup(file_rows, layout, cols)
     assert torch.equal(lib.regroup(source, file_rows, cols), grouped)
     assert torch.equal(lib.regroup(layout, grouped, cols, back=True), file_rows)
+    with pytest.raises(ValueError, match="no regrouped layout"):
+        lib.regroup("q5_0", random_blocks("q5_0", 2, cols, generator), cols)
     if cols > 32:
         assert not torch.equal(grouped, file_rows)
     assert torch.equal(lib.dequantize(layout, grouped, cols), dequantize(file_rows, source, cols))

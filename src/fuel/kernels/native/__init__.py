@@ -65,7 +65,8 @@ FORMAT_CODES: dict[str, int] = {
 ``int8_channel``: per-channel int8 rows, :data:`fuel.circuit.format.INT8_ROWS`; ``q4_1x8``,
 ``q8_0x8``: q4_1's and q8_0's blocks regrouped by eight, :data:`fuel.circuit.format.REGROUPED`)."""
 
-QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0", "q8_0x8", "q4_k", "q5_k", "q6_k",
+QUANT_LAYOUTS = frozenset({"q4_0", "q4_1", "q4_1x8", "q5_0", "q5_1", "q8_0", "q8_0x8",
+                           "q4_k", "q5_k", "q6_k",
                            "f16", "bf16", "int8_channel"})
 """The packed layouts a ``quant_linear`` region may carry that the library multiplies (GGUF
 blocks, 16-bit matrices held as packed rows: ``fuel.kernels.quant_blocks.HALF_LAYOUTS``, and
@@ -315,13 +316,16 @@ class NativeKernels:
     def regroup(self, layout: str, packed: Any, cols: int, *, back: bool = False) -> Any:
         """Packed rows ``[rows, row_bytes]`` (u8) of ``layout``'s file order moved into its
         regrouped layout (``q4_1`` -> ``q4_1x8``, ``q8_0`` -> ``q8_0x8``:
-        :data:`fuel.circuit.format.REGROUPED`), or
-        back (``back=True``): a new tensor, the same bytes reordered within each row."""
+        :data:`fuel.circuit.format.REGROUPED`), or back (``back=True``, ``layout`` the regrouped
+        one): a new tensor, the same bytes reordered within each row. ValueError for a layout
+        without a regrouping."""
         import torch
 
         from fuel.circuit.format import REGROUPED
 
-        grouped = layout if back else next(k for k, v in REGROUPED.items() if v == layout)
+        grouped = layout if back else {v: k for k, v in REGROUPED.items()}.get(layout)
+        if grouped not in REGROUPED:
+            raise ValueError(f"{layout} has no regrouped layout (those are {', '.join(REGROUPED)})")
         rows = packed.contiguous()
         out = torch.empty_like(rows)
         if rows.shape[0] and self._lib.fuel_regroup(
