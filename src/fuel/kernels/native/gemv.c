@@ -1173,8 +1173,10 @@ static int q8_prepare(int fmt, const float *x, int64_t M, int64_t K, Q8Rows *a) 
             q8_quantize_block(x + r * K + b * 32, t, dr + b, sr + b);
             dm[2 * b] = dm[2 * b + 1] = dr[b];
             sm[2 * b + 1] = (float)sr[b];
-            a->d8[r * G8 * 8 + (b / 8) * 8 + x8_lane((int)(b % 8))] = dr[b];
-            a->s8[r * G8 * 8 + (b / 8) * 8 + x8_lane((int)(b % 8))] = dr[b] * (float)sr[b];
+            if (fmt == Q4_1X8) {  /* q8x8_dot_rows' eight scales a group, in its lane order */
+                a->d8[r * G8 * 8 + (b / 8) * 8 + x8_lane((int)(b % 8))] = dr[b];
+                a->s8[r * G8 * 8 + (b / 8) * 8 + x8_lane((int)(b % 8))] = dr[b] * (float)sr[b];
+            }
             if (quad) {
                 const int64_t g = b / 4, i = b % 4;
                 memcpy(qr + g * 128 + 16 * i, t, 16);
@@ -1478,12 +1480,6 @@ static const int8_t X8_NATURAL[8][16] __attribute__((aligned(16))) = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, -128, -128}
 };
 
-/* R (1..4) outputs of one q8_0x8 weight row against quantized activation rows r0 .. r0+R-1
-   (natural order; out[r * N]): per group of eight blocks, eight 32-byte quant loads shared by the
-   R rows and the eight d_w converted once; each block's eight 32-bit lane sums (q8_0_block_dot)
-   reduced to one by a horizontal-add tree that leaves the eight blocks' sums in block order,
-   scaled by one multiply-add. Streams SmolLM2's 49152x576 LM head (2 threads, from memory)
-   in 1.42 ms against q8_0's 1.79 ms (4 KiB ahead; none: 1.78 ms). */
 /* One q8_0x8 group of n (1..8) blocks at o (their d's, then their quants) for R rows: the eight
    blocks' sums in block order, scaled into acc (the activation scales of the n blocks only: the
    floats after a row's last block are another array's). */
@@ -2075,6 +2071,27 @@ INLINE void attn_values64(const float *weights, const float *const *rows, int64_
 }
 #endif
 
+/* The decode attention's split over the pool: whether its units get a parallel region (the
+   positions the queries will read, not the table's capacity, against ATTN_PARALLEL_WORK), and
+   thread `me`'s share of `teams`: contiguous, the first units % teams one unit longer. The
+   attention (fuel_paged_attn_kv) and its early row requests (fuel_paged_attn_prefetch) both
+   take it from here, so a thread asks for exactly the rows it will read. */
+static int attn_parallel(const void *lens, int64_t B, int64_t Hq, int64_t L, int64_t D,
+                         int64_t Hkv, int64_t capacity, int index_bytes) {
+    int64_t seen_total = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t seen = idx_at(lens, b, index_bytes);
+        seen_total += seen > capacity ? capacity : seen;
+    }
+    return B * Hkv * L > 1 && seen_total * Hq * D * L >= ATTN_PARALLEL_WORK;
+}
+
+INLINE void attn_share(int64_t units, int me, int teams, int64_t *u0, int64_t *u1) {
+    const int64_t q = units / teams, r = units % teams;
+    *u0 = me * q + (me < r ? me : r);
+    *u1 = *u0 + q + (me < r ? 1 : 0);
+}
+
 int fuel_paged_attn(const float *q, const float *kc, const float *vc, const void *table,
                     const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
                     int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
@@ -2107,13 +2124,9 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
        threads. */
     extern int omp_get_max_threads(void);
     extern int omp_get_thread_num(void);
+    extern int omp_get_num_threads(void);
     const int64_t units = B * Hkv * L;
-    int64_t seen_total = 0;  /* the positions the queries will read: the work, not the capacity */
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t seen = idx_at(lens, b, index_bytes);
-        seen_total += seen > capacity ? capacity : seen;
-    }
-    const int parallel = units > 1 && seen_total * Hq * D * L >= ATTN_PARALLEL_WORK;
+    const int parallel = attn_parallel(lens, B, Hq, L, D, Hkv, capacity, index_bytes);
     const int teams = parallel ? omp_get_max_threads() : 1;
     const size_t per = (size_t)(capacity * group + 1) + (size_t)(group * D + 1) + (size_t)(D + 1);
 #ifdef __AVX2__
@@ -2125,10 +2138,13 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
     const float **rows_at = fast ? (const float **)malloc(sizeof(float *) * (size_t)(2 * capacity + 16)
                                                           * (size_t)(teams > 0 ? teams : 1)) : NULL;
     if (!scratch || (fast && !rows_at)) { free(scratch); free(rows_at); return -1; }
-    #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t u = 0; u < units; u++) {
+    #pragma omp parallel num_threads(teams) if (parallel)
+    {
+    const int me = parallel ? omp_get_thread_num() : 0;
+    int64_t u0 = 0, u1 = units;
+    if (parallel) attn_share(units, me, omp_get_num_threads(), &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
         const int64_t b = u / (Hkv * L), kv = (u / L) % Hkv, i = u % L;
-        const int me = parallel ? omp_get_thread_num() : 0;
         float *scores = scratch + per * (size_t)(me < teams ? me : 0);
         float *acc = scores + capacity * group + 1, *widened = acc + group * D + 1;
         const int64_t context = idx_at(lens, b, index_bytes);
@@ -2229,9 +2245,44 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
         for (int64_t g = 0; g < group; g++)
             memcpy(out + ((b * Hq + kv * group + g) * L + i) * D, acc + g * D, sizeof(float) * (size_t)D);
     }
+    }
     free(scratch);
     free(rows_at);
     return 0;
+}
+
+/* The KV cache rows thread `me` of `teams` will read in fuel_paged_attn_kv with these operands
+   (its share of the units: attn_share), asked for into L2; every row to thread 0 where the
+   attention runs serially. The step list (steps.c) calls it at the start of the fused product
+   step whose epilogue holds the attention: a decode step streams megabytes of weights between
+   two layers' attention, so every cached row is gone from every cache level by then, and the
+   attention waited a memory latency per few rows (SmolLM2 at ~100 positions: ~15-25 us of a
+   ~20-30 us call); asked for here, the rows come in while the products stream (the same bytes,
+   earlier). A hint: it loads no cache row and writes nothing, and stops at a block outside the
+   cache (the attention refuses it). */
+void fuel_paged_attn_prefetch(const void *kc, const void *vc, const void *table, const void *lens,
+                              int64_t B, int64_t Hq, int64_t L, int64_t D, int64_t blocks,
+                              int64_t bs, int64_t Hkv, int64_t W, int index_bytes, int kv_fmt,
+                              int me, int teams) {
+    if ((kv_fmt != F32 && kv_fmt != F16 && kv_fmt != BF16) || Hkv <= 0 || bs <= 0 || teams < 1) return;
+    const int64_t capacity = W * bs, units = B * Hkv * L, row_bytes = D * (kv_fmt == F32 ? 4 : 2);
+    int64_t u0 = 0, u1 = units;
+    if (attn_parallel(lens, B, Hq, L, D, Hkv, capacity, index_bytes)) attn_share(units, me, teams, &u0, &u1);
+    else if (me != 0) return;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t b = u / (Hkv * L), kv = (u / L) % Hkv, i = u % L;
+        int64_t visible = idx_at(lens, b, index_bytes) - L + i + 1;
+        if (visible > capacity) visible = capacity;
+        for (int64_t t = 0; t < visible; t++) {
+            const int64_t blk = idx_at(table, b * W + t / bs, index_bytes);
+            if (blk < 0 || blk >= blocks) break;
+            const int64_t row = cache_row_at(table, b, W, t, bs, Hkv, kv, index_bytes);
+            for (int64_t o = 0; o < row_bytes; o += 64) {
+                __builtin_prefetch((const char *)kc + row * row_bytes + o, 0, 2);
+                __builtin_prefetch((const char *)vc + row * row_bytes + o, 0, 2);
+            }
+        }
+    }
 }
 
 

@@ -53,6 +53,10 @@ int fuel_paged_attn_kv(const float *q, const void *kc, const void *vc, const voi
                        const void *lens, float *out, int64_t B, int64_t Hq, int64_t L, int64_t D,
                        int64_t blocks, int64_t bs, int64_t Hkv, int64_t W, int index_bytes,
                        float scale, float softcap, int kv_fmt);
+void fuel_paged_attn_prefetch(const void *kc, const void *vc, const void *table, const void *lens,
+                              int64_t B, int64_t Hq, int64_t L, int64_t D, int64_t blocks,
+                              int64_t bs, int64_t Hkv, int64_t W, int index_bytes, int kv_fmt,
+                              int me, int teams);
 int fuel_cast_half(const float *x, uint16_t *out, int64_t n, int fmt);
 void fuel_residual_rms_norm(const float *x, const float *residual, const float *gain, float *out,
                             int64_t R, int64_t H, float eps);
@@ -201,53 +205,11 @@ static int run_one(const fuel_step *s, void *const *table, int threads) {
    256 KiB 1.07x; f32 and bf16 steps (16 KiB) 0.98-1.01x. */
 #define RUN_AHEAD 32768
 
-/* The KV cache rows a decode attention record (STEP_PAGED_ATTN) will read, asked for into L2 by
-   the thread that will read them: the units (sequence, kv head, query row) it gets under the
-   attention's own static schedule (fuel_paged_attn_kv: parallel from ATTN_WORK on). Called
-   at the start of the fused product step whose epilogue holds the attention: a decode step
-   streams megabytes of weights between two layers' attention, so every cached row is gone from
-   every cache level by then, and the attention waited a memory latency per few rows (SmolLM2 at
-   ~100 positions: ~15-25 us of a ~20-30 us call). Asked for here, the rows come in while the
-   products stream (the same bytes, earlier). A hint only: it loads no cache row and writes
-   nothing, and a block outside the cache is skipped (the attention refuses it). ATTN_WORK is
-   gemv.c's ATTN_PARALLEL_WORK (the attention's own choice of a parallel region). */
-enum { ATTN_WORK = 1 << 15 };
+/* Its rows asked for early by the threads that will read them (gemv.c says why). */
 static void prefetch_attention(const fuel_step *s, void *const *table, int me, int teams) {
     const int64_t *n = s->n;
-    const int64_t B = n[0], Hq = n[1], L = n[2], D = n[3], blocks = n[4], bs = n[5], Hkv = n[6], W = n[7];
-    const int index_bytes = (int)n[8], kv_fmt = (int)n[9];
-    const char *kc = P(1), *vc = P(2);
-    const void *tbl = P(3), *lens = P(4);
-    const int64_t capacity = W * bs, units = B * Hkv * L, row_bytes = D * (kv_fmt == 0 ? 4 : 2);
-    if (kv_fmt < 0 || kv_fmt > 2 || Hkv <= 0 || bs <= 0) return;
-    int64_t seen_total = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t seen = index_at(lens, b, index_bytes);
-        seen_total += seen > capacity ? capacity : seen;
-    }
-    const int parallel = units > 1 && seen_total * Hq * D * L >= ATTN_WORK;
-    int64_t u0 = 0, u1 = units;
-    if (parallel) {  /* libgomp's static schedule: contiguous chunks, the first units % teams one longer */
-        const int64_t q = units / teams, r = units % teams;
-        u0 = me * q + (me < r ? me : r);
-        u1 = u0 + q + (me < r ? 1 : 0);
-    } else if (me != 0) {
-        return;
-    }
-    for (int64_t u = u0; u < u1; u++) {
-        const int64_t b = u / (Hkv * L), kv = (u / L) % Hkv, i = u % L;
-        int64_t visible = index_at(lens, b, index_bytes) - L + i + 1;
-        if (visible > capacity) visible = capacity;
-        for (int64_t t = 0; t < visible; t++) {
-            const int64_t blk = index_at(tbl, b * W + t / bs, index_bytes);
-            if (blk < 0 || blk >= blocks) break;
-            const int64_t row = (blk * bs + t % bs) * Hkv + kv;
-            for (int64_t o = 0; o < row_bytes; o += 64) {
-                __builtin_prefetch(kc + row * row_bytes + o, 0, 2);
-                __builtin_prefetch(vc + row * row_bytes + o, 0, 2);
-            }
-        }
-    }
+    fuel_paged_attn_prefetch(P(1), P(2), P(3), P(4), n[0], n[1], n[2], n[3], n[4], n[5], n[6],
+                             n[7], (int)n[8], (int)n[9], me, teams);
 }
 
 /* A fused step: up to FUSED_MAX products of one activation x[M, K] by weights of one format
